@@ -1,0 +1,387 @@
+"""CMF v2: read and write cortiq's model container, byte-compatible (reference/cortiq.md §1).
+
+Layout of a fresh write: 128-byte envelope | header JSON | tensor directory | zero pad to 4096 |
+data blob (tensors at 64, payloads >= 16 KiB at 4096) | vocab (tokenizer.json bytes).
+Every structural check of cortiq.md §1.10 is a hard `NvgError` naming the file, the field and the
+offset; hashes are checked by `verify`, not on open (as cortiq does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from nvg.errors import NvgError
+from nvg.hash64 import hash64, hex16
+
+MAGIC = b"CMF\x01"
+VERSION = 2
+ENVELOPE = struct.Struct("<4sIII12QQQ")  # magic, version, flags, features, 6 (off, len), 2 hashes
+RECORD = struct.Struct("<IHBB6IQQQ")  # name_off, name_len, dtype, ndim, shape[6], off, nbytes, hash
+DATA_ALIGN = 4096
+TENSOR_ALIGN = 64
+BIG_PAYLOAD = 16 * 1024
+
+FEATURE_TENSOR_DIR = 1 << 0
+FEATURE_BINARY_MASKS = 1 << 1
+FEATURE_QUANT_2F = 1 << 2
+FEATURE_LOOP_MASKS = 1 << 5
+FEATURE_SKILL_FILE = 1 << 6
+KNOWN_FEATURES = FEATURE_TENSOR_DIR | FEATURE_BINARY_MASKS | FEATURE_QUANT_2F | FEATURE_LOOP_MASKS | FEATURE_SKILL_FILE
+
+DTYPE_NAMES = {
+    0: "f32", 1: "f16", 2: "bf16", 3: "q8_row", 4: "q4_block", 5: "mix8_4", 6: "u8", 7: "q4_col",
+    8: "vbit", 9: "q8_2f", 10: "vbit_ro", 11: "q4_tiled", 12: "q1", 13: "q1s", 14: "q1t", 15: "q4tp",
+    16: "q2tp", 19: "blr",
+}
+DTYPE_IDS = {name: i for i, name in DTYPE_NAMES.items()}
+F32, F16, BF16, Q8_ROW, Q4_BLOCK, Q8_2F, BLR = 0, 1, 2, 3, 4, 9, 19
+
+# cortiq's ModelArch keys with serde defaults (cortiq.md §1.3): written explicitly so any reader agrees.
+ARCH_REQUIRED = (
+    "arch_name", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads", "num_kv_heads",
+    "head_dim", "vocab_size", "layer_types", "rms_norm_eps", "max_position_embeddings",
+)
+ARCH_DEFAULTS = {
+    "norm_style": "qwen", "rope_theta": 10000.0, "tie_word_embeddings": False, "partial_rotary_factor": 1.0,
+    "hidden_act": "silu", "embed_multiplier": 1.0, "num_loops": 1, "loop_final_norm": False, "attn_v_norm": False,
+}
+
+SHARD_NAME = re.compile(r"^(?P<base>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.cmf$")
+
+
+@dataclass
+class Tensor:
+    """One directory entry and its payload bytes (a view into the file)."""
+
+    name: str
+    dtype: int
+    shape: tuple[int, ...]
+    data: bytes | memoryview
+    stored_hash: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class CmfFile:
+    path: Path
+    header: dict
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    vocab: bytes | None = None
+    features: int = FEATURE_TENSOR_DIR
+
+    @property
+    def arch(self) -> dict:
+        return {**ARCH_DEFAULTS, **self.header["arch"]}
+
+
+def _fail(path, field_name: str, offset: int | None, problem: str):
+    where = f" at offset {offset:#x}" if offset is not None else ""
+    raise NvgError(f"{path}: {field_name}{where}: {problem}")
+
+
+def expected_nbytes(path, t: Tensor, record_offset: int) -> int | None:
+    """The payload size a fixed-size dtype must have (cortiq's `expected_nbytes`); None for variable ones."""
+    n = t.numel
+    if t.dtype == F32:
+        return 4 * n
+    if t.dtype in (F16, BF16):
+        return 2 * n
+    if t.dtype == 6:
+        return n
+    if t.dtype == Q8_ROW:
+        return n + 2 * (t.shape[0] if len(t.shape) > 1 else 1)
+    if t.dtype in (Q4_BLOCK, 11):
+        return 18 * -(-n // 32)
+    if t.dtype == 12:
+        return 6 * -(-n // 32)
+    if t.dtype == Q8_2F:
+        return n + 2 * t.shape[0] + 2 * t.shape[-1]
+    if t.dtype == BLR:
+        from nvg import blr
+
+        try:
+            head = blr.parse_header(bytes(t.data[: blr.HEADER.size]), (t.shape[0], t.shape[-1]))
+        except NvgError as e:
+            _fail(path, f"tensor {t.name!r} blr header", record_offset, str(e))
+        return blr.payload_nbytes(head.paths, head.rank, head.d_out, head.d_in)
+    return None
+
+
+def read_cmf(path: str | os.PathLike) -> CmfFile:
+    """Open a CMF v2 file (or the first shard of a sharded one, merging its siblings)."""
+    path = Path(path)
+    m = SHARD_NAME.match(path.name)
+    if m:
+        no, count = int(m["no"]), int(m["count"])
+        if no != 1:
+            _fail(path, "shard", None, f"shard {no} of {count} opened; open the first shard")
+        first = _read_one(path)
+        for k in range(2, count + 1):
+            sib = path.with_name(f"{m['base']}-{k:05d}-of-{count:05d}.cmf")
+            if not sib.exists():
+                _fail(sib, "shard", None, f"missing sibling shard {k} of {count}")
+            part = _read_one(sib)
+            sh = part.header.get("shard", {})
+            if sh.get("no") != k or sh.get("count") != count:
+                _fail(sib, "header.shard", None, f"says {sh}, expected no {k} of count {count}")
+            for name, t in part.tensors.items():
+                if name in first.tensors:
+                    _fail(sib, f"tensor {name!r}", None, "duplicate tensor name across shards")
+                first.tensors[name] = t
+        return first
+    return _read_one(path)
+
+
+def _read_one(path: Path) -> CmfFile:
+    try:
+        raw = memoryview(path.read_bytes())
+    except OSError as e:
+        raise NvgError(f"{path}: cannot read: {e.strerror}") from None
+    size = len(raw)
+    if size < ENVELOPE.size:
+        _fail(path, "envelope", 0, f"file is {size} bytes, shorter than the 128-byte envelope")
+    magic, version, _flags, features, *rest = ENVELOPE.unpack_from(raw, 0)
+    if magic != MAGIC:
+        _fail(path, "magic", 0, f"{bytes(magic)!r} is not b'CMF\\x01'")
+    if version != VERSION:
+        _fail(path, "version", 4, f"{version} is not 2")
+    if features & ~KNOWN_FEATURES:
+        _fail(path, "required_features", 12, f"unknown feature bits {features & ~KNOWN_FEATURES:#x}")
+    sections = {}
+    for i, name in enumerate(("header", "dir", "data", "masks", "vocab", "index")):
+        off, length = rest[2 * i], rest[2 * i + 1]
+        if off + length > size or off + length < off:
+            _fail(path, f"{name}_off/{name}_len", 0x10 + 16 * i, f"section [{off}, {off + length}) runs past the end of the {size}-byte file")
+        sections[name] = (off, length)
+    for name in ("header", "dir"):
+        if sections[name][1] == 0:
+            _fail(path, f"{name}_len", 0x10 + 16 * ("header", "dir").index(name), "is 0")
+    data_off, data_len = sections["data"]
+    if data_len and data_off % DATA_ALIGN:
+        _fail(path, "data_off", 0x30, f"{data_off} is not a multiple of 4096")
+    h_off, h_len = sections["header"]
+    try:
+        header = json.loads(bytes(raw[h_off : h_off + h_len]).decode("utf-8"))
+        if not isinstance(header, dict) or not isinstance(header.get("arch"), dict):
+            raise ValueError("no 'arch' object")
+    except (ValueError, UnicodeDecodeError) as e:
+        _fail(path, "header JSON", h_off, f"not a valid CMF header: {e}")
+    missing = [k for k in ARCH_REQUIRED if k not in header["arch"]]
+    if missing:
+        _fail(path, "header.arch", h_off, f"missing required keys {missing}")
+    d_off, d_len = sections["dir"]
+    tensors = _parse_directory(path, raw[d_off : d_off + d_len], d_off, raw[data_off : data_off + data_len], data_off)
+    v_off, v_len = sections["vocab"]
+    vocab = bytes(raw[v_off : v_off + v_len]) if v_len else None
+    return CmfFile(path=path, header=header, tensors=tensors, vocab=vocab, features=features)
+
+
+def _parse_directory(path, dir_bytes, d_off, blob, data_off) -> dict[str, Tensor]:
+    if len(dir_bytes) < 16:
+        _fail(path, "directory", d_off, f"{len(dir_bytes)} bytes, shorter than its 16-byte head")
+    count, pool_off = struct.unpack_from("<QQ", dir_bytes, 0)
+    if 16 + RECORD.size * count > len(dir_bytes) or pool_off > len(dir_bytes):
+        _fail(path, "directory", d_off, f"{count} records do not fit in {len(dir_bytes)} bytes")
+    tensors: dict[str, Tensor] = {}
+    for i in range(count):
+        rec_at = 16 + RECORD.size * i
+        name_off, name_len, dtype, ndim, *rest = RECORD.unpack_from(dir_bytes, rec_at)
+        shape6, (off, nbytes, thash) = rest[:6], rest[6:]
+        abs_rec = d_off + rec_at
+        start = pool_off + name_off
+        if start + name_len > len(dir_bytes):
+            _fail(path, f"directory record {i} name", abs_rec, "name runs past the name pool")
+        try:
+            name = bytes(dir_bytes[start : start + name_len]).decode("utf-8")
+        except UnicodeDecodeError:
+            _fail(path, f"directory record {i} name", abs_rec, "name is not UTF-8")
+        if ndim > 6:
+            _fail(path, f"tensor {name!r} ndim", abs_rec + 7, f"{ndim} > 6")
+        if dtype not in DTYPE_NAMES:
+            _fail(path, f"tensor {name!r} dtype", abs_rec + 6, f"unknown dtype id {dtype}")
+        if off % TENSOR_ALIGN:
+            _fail(path, f"tensor {name!r} off", abs_rec + 32, f"{off} is not a multiple of 64")
+        if off + nbytes > len(blob):
+            _fail(path, f"tensor {name!r} off+nbytes", abs_rec + 32, f"[{off}, {off + nbytes}) runs past the {len(blob)}-byte data blob")
+        if name in tensors:
+            _fail(path, f"tensor {name!r}", abs_rec, "duplicate tensor name")
+        t = Tensor(name, dtype, tuple(shape6[:ndim]), blob[off : off + nbytes], thash)
+        want = expected_nbytes(path, t, abs_rec)
+        if want is not None and want != nbytes:
+            _fail(path, f"tensor {name!r} nbytes", abs_rec + 40, f"{nbytes} but {DTYPE_NAMES[dtype]} {list(t.shape)} needs {want}")
+        tensors[name] = t
+    return tensors
+
+
+def encode_directory(entries: list[tuple[Tensor, int]]) -> bytes:
+    """Directory bytes for (tensor, offset-in-blob) pairs; the name pool follows the records."""
+    pool = bytearray()
+    recs = bytearray()
+    for t, off in entries:
+        name = t.name.encode("utf-8")
+        shape = list(t.shape) + [0] * (6 - len(t.shape))
+        recs += RECORD.pack(len(pool), len(name), t.dtype, len(t.shape), *shape, off, len(t.data), hash64(t.data))
+        pool += name
+    return struct.pack("<QQ", len(entries), 16 + len(recs)) + bytes(recs) + bytes(pool)
+
+
+def _align(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def cmf_bytes(header: dict, tensors: list[Tensor], vocab: bytes | None = None) -> bytes:
+    """The whole file as bytes; deterministic (same content gives the same bytes)."""
+    header = dict(header)
+    header.pop("section_hashes", None)
+    if vocab:
+        header["section_hashes"] = {"vocab": hex16(hash64(vocab))}
+    blob = bytearray()
+    entries = []
+    for t in tensors:
+        cursor = _align(len(blob), DATA_ALIGN if len(t.data) >= BIG_PAYLOAD else TENSOR_ALIGN)
+        blob += b"\0" * (cursor - len(blob))
+        entries.append((t, cursor))
+        blob += bytes(t.data)
+    directory = encode_directory(entries)
+    header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    features = FEATURE_TENSOR_DIR
+    if any(t.dtype in (8, Q8_2F) for t in tensors):
+        features |= FEATURE_QUANT_2F
+    h_off = ENVELOPE.size
+    d_off = h_off + len(header_bytes)
+    data_off = _align(d_off + len(directory), DATA_ALIGN)
+    v_off = data_off + len(blob) if vocab else 0
+    envelope = ENVELOPE.pack(
+        MAGIC, VERSION, 0, features,
+        h_off, len(header_bytes), d_off, len(directory), data_off, len(blob),
+        0, 0, v_off, len(vocab or b""), 0, 0,
+        hash64(header_bytes), hash64(directory),
+    )
+    pad = b"\0" * (data_off - d_off - len(directory))
+    return envelope + header_bytes + directory + pad + bytes(blob) + (vocab or b"")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write to a temporary name beside the target, fsync, then rename: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_cmf(path, header: dict, tensors: list[Tensor], vocab: bytes | None = None) -> None:
+    atomic_write_bytes(path, cmf_bytes(header, tensors, vocab))
+
+
+def write_cmf_shards(first_path, header: dict, tensors: list[Tensor], vocab: bytes | None, count: int) -> list[Path]:
+    """Split tensors in order into `count` complete files `{base}-NNNNN-of-NNNNN.cmf`; vocab in shard 1 only."""
+    m = SHARD_NAME.match(Path(first_path).name)
+    if not m:
+        raise NvgError(f"{first_path}: shard path must end in -00001-of-{count:05d}.cmf")
+    per = -(-len(tensors) // count)
+    paths = []
+    for k in range(count):
+        p = Path(first_path).with_name(f"{m['base']}-{k + 1:05d}-of-{count:05d}.cmf")
+        h = {**header, "shard": {"no": k + 1, "count": count}}
+        if k:
+            h.pop("tokenizer_config", None)
+        write_cmf(p, h, tensors[k * per : (k + 1) * per], vocab if k == 0 else None)
+        paths.append(p)
+    return paths
+
+
+def verify(path) -> list[str]:
+    """Every hash in the file (header, directory, each tensor, each section); returns the mismatches."""
+    cmf = read_cmf(path)
+    problems = []
+    files = [cmf.path]
+    m = SHARD_NAME.match(cmf.path.name)
+    if m:
+        files = [cmf.path.with_name(f"{m['base']}-{k:05d}-of-{m['count']}.cmf") for k in range(1, int(m["count"]) + 1)]
+    for f in files:
+        raw = f.read_bytes()
+        _, _, _, _, *rest = ENVELOPE.unpack_from(raw, 0)
+        (h_off, h_len, d_off, d_len), (header_hash, dir_hash) = rest[:4], rest[12:]
+        v_off, v_len = rest[8], rest[9]
+        if header_hash and hash64(raw[h_off : h_off + h_len]) != header_hash:
+            problems.append(f"{f}: header_hash at offset 0x70 does not match the header bytes")
+        if dir_hash and hash64(raw[d_off : d_off + d_len]) != dir_hash:
+            problems.append(f"{f}: dir_hash at offset 0x78 does not match the directory bytes")
+        one = _read_one(f)
+        want_vocab = one.header.get("section_hashes", {}).get("vocab")
+        if v_len and want_vocab and hex16(hash64(raw[v_off : v_off + v_len])) != want_vocab:
+            problems.append(f"{f}: section_hashes.vocab does not match the vocab section")
+        for t in one.tensors.values():
+            if hash64(t.data) != t.stored_hash:
+                problems.append(f"{f}: tensor {t.name!r} hash does not match its payload")
+    return problems
+
+
+# ── dequantisation (teachers may arrive quantised) ──
+
+def _f16(b, count, at=0) -> np.ndarray:
+    return np.frombuffer(b, dtype="<f2", count=count, offset=at).astype(np.float32)
+
+
+def tensor_to_numpy(t: Tensor) -> np.ndarray:
+    """A dense float32 copy of any readable dtype (blr is dequantised through its codec)."""
+    n, shape = t.numel, t.shape
+    buf = bytes(t.data)
+    if t.dtype == F32:
+        return np.frombuffer(buf, dtype="<f4").reshape(shape).copy()
+    if t.dtype == F16:
+        return _f16(buf, n).reshape(shape)
+    if t.dtype == BF16:
+        u = np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16
+        return u.view(np.float32).reshape(shape)
+    if t.dtype == Q8_ROW:
+        rows = shape[0] if len(shape) > 1 else 1
+        q = np.frombuffer(buf, dtype=np.int8, count=n).astype(np.float32).reshape(rows, -1)
+        return (q * _f16(buf, rows, n)[:, None]).reshape(shape)
+    if t.dtype == Q8_2F:
+        q = np.frombuffer(buf, dtype=np.int8, count=n).astype(np.float32).reshape(shape[0], -1)
+        row = _f16(buf, shape[0], n)
+        col = _f16(buf, shape[-1], n + 2 * shape[0])
+        return (q * row[:, None] * col[None, :]).reshape(shape)
+    if t.dtype == Q4_BLOCK:
+        groups = -(-n // 32)
+        nib = np.frombuffer(buf, dtype=np.uint8, count=groups * 16)
+        q = np.stack([nib & 0x0F, nib >> 4], axis=1).reshape(groups, 32).astype(np.float32) - 8.0
+        scale = _f16(buf, groups, groups * 16)
+        return (q * scale[:, None]).reshape(-1)[:n].reshape(shape)
+    if t.dtype == BLR:
+        from nvg import blr
+
+        return blr.decode(buf).dequantize().reshape(shape)
+    raise NvgError(f"tensor {t.name!r}: dtype {DTYPE_NAMES[t.dtype]} cannot be read as weights")
+
+
+def dense_tensor(name: str, array: np.ndarray, dtype: int = F16) -> Tensor:
+    """A Tensor with an f32/f16/bf16 payload from a float array (f16: IEEE round-to-nearest-even)."""
+    a = np.ascontiguousarray(array, dtype=np.float32)
+    if dtype == F32:
+        payload = a.astype("<f4").tobytes()
+    elif dtype == F16:
+        payload = a.astype("<f2").tobytes()
+    elif dtype == BF16:
+        u = a.view(np.uint32).astype(np.uint64)
+        rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")  # round to nearest even
+        payload = rounded.tobytes()
+    else:
+        raise ValueError(f"dense_tensor: dtype {dtype} is not f32/f16/bf16")
+    return Tensor(name, dtype, tuple(a.shape), payload)

@@ -1,0 +1,312 @@
+"""One Llama-family model for the dense teacher and the BLR student.
+
+The architecture is data (`ModelConfig`, read from a CMF `arch` header); what a linear is (dense or
+BLR) is decided by the tensor found in the file. Module names follow the Hugging Face checkpoint, so
+`state_dict()` keys are the CMF tensor names. Covers RMSNorm, rotary, GQA, SwiGLU, q/k/v biases and
+q/k norms when present (Qwen2/Qwen3), and tied embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nvg import blr as blr_codec
+from nvg.cmf import BLR, CmfFile, read_cmf, tensor_to_numpy
+from nvg.errors import NvgError
+
+BODY_ROLES = {
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+}
+# The activation each body linear reads: linears that share an input share one Gram.
+ROLE_INPUT = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "attn_out", "gate": "mlp_in", "up": "mlp_in", "down": "mlp_down"}
+
+
+def body_linear_name(layer: int, role: str) -> str:
+    return f"model.layers.{layer}.{BODY_ROLES[role]}.weight"
+
+
+def parse_body_linear(name: str) -> tuple[int, str] | None:
+    """(layer, role) of a body linear's tensor name, else None."""
+    parts = name.split(".")
+    if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+        for role, suffix in BODY_ROLES.items():
+            if ".".join(parts[3:5]) == suffix:
+                return int(parts[2]), role
+    return None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    gemma_norm: bool = False
+
+    @classmethod
+    def from_arch(cls, arch: dict) -> "ModelConfig":
+        if arch.get("hidden_act", "silu") != "silu":
+            raise NvgError(f"arch.hidden_act {arch['hidden_act']!r}: only silu (SwiGLU) models are supported")
+        if any(t != "FullAttention" for t in arch.get("layer_types", [])):
+            raise NvgError("arch.layer_types: only FullAttention layers are supported")
+        return cls(
+            vocab_size=arch["vocab_size"], hidden_size=arch["hidden_size"],
+            intermediate_size=arch["intermediate_size"], num_layers=arch["num_layers"],
+            num_heads=arch["num_attention_heads"], num_kv_heads=arch["num_kv_heads"], head_dim=arch["head_dim"],
+            rms_norm_eps=float(arch["rms_norm_eps"]), rope_theta=float(arch.get("rope_theta", 10000.0)),
+            max_position_embeddings=arch["max_position_embeddings"],
+            tie_word_embeddings=bool(arch.get("tie_word_embeddings", False)),
+            gemma_norm=arch.get("norm_style", "qwen") == "gemma",
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float, gemma: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float())
+        self.eps, self.gemma = eps, gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = 1.0 + self.weight if self.gemma else self.weight
+        return (w * xf).to(x.dtype)
+
+
+class DenseLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+class BlrLinear(nn.Module):
+    """y = Σ_p h_p ⊙ (S_U,p · (ℓ_p ⊙ (S_V,p · (g_p ⊙ x)))): two skinny matmuls per path, W never formed.
+
+    Fast because the cost is r·(d_in + d_out) per token instead of d_in·d_out (r ≪ d), the ±1 signs
+    are exact in bf16 so both GEMMs run on tensor cores, and the scales are elementwise ops that
+    autocast fuses into the matmul epilogues under torch.compile."""
+
+    def __init__(self, payload: blr_codec.BlrTensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        stack = lambda xs: torch.from_numpy(np.stack(xs)).float()  # noqa: E731
+        self.h = nn.Parameter(stack([p.h for p in payload.paths]))  # [P, d_out]
+        self.ell = nn.Parameter(stack([p.ell for p in payload.paths]))  # [P, r]
+        self.g = nn.Parameter(stack([p.g for p in payload.paths]))  # [P, d_in]
+        signs = [p.signs() for p in payload.paths]
+        self.register_buffer("su", stack([s[0] for s in signs]))  # [P, d_out, r]
+        self.register_buffer("sv", stack([s[1] for s in signs]))  # [P, r, d_in]
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @property
+    def rank(self) -> int:
+        return self.ell.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        y = None
+        for p in range(self.h.shape[0]):
+            t = F.linear(x * self.g[p].to(dt), self.sv[p].to(dt)) * self.ell[p].to(dt)
+            yp = F.linear(t, self.su[p].to(dt)) * self.h[p].to(dt)
+            y = yp if y is None else y + yp
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        return torch.einsum("po,por,pr,pri,pi->oi", self.h, self.su, self.ell, self.sv, self.g)
+
+    def to_payload(self) -> blr_codec.BlrTensor:
+        """Back to the codec (scales rounded to f16 on encode; signs from the ±1 buffers)."""
+        return blr_codec.BlrTensor.from_factors([
+            (self.h[p].detach().cpu().numpy(), self.g[p].detach().cpu().numpy(), self.ell[p].detach().cpu().numpy(),
+             self.su[p].cpu().numpy(), self.sv[p].cpu().numpy())
+            for p in range(self.h.shape[0])
+        ])
+
+
+def rotary_tables(cfg: ModelConfig, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim))
+    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos(), ang.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, linears: dict, norms: dict):
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (linears[r] for r in ("q", "k", "v", "o"))
+        self.q_norm = norms.get("q_norm")
+        self.k_norm = norms.get("k_norm")
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(b, t, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # flash/memory-efficient SDPA with native GQA: no repeated K/V, no [t, t] score matrix in memory
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, linears: dict):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = linears["gate"], linears["up"], linears["down"]
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, linears, norms):
+        super().__init__()
+        self.input_layernorm = norms["input_layernorm"]
+        self.post_attention_layernorm = norms["post_attention_layernorm"]
+        self.self_attn = Attention(cfg, linears, norms)
+        self.mlp = MLP(linears)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, embed, layers, norm):
+        super().__init__()
+        self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig, body: Body, lm_head: torch.Tensor | None):
+        super().__init__()
+        self.cfg = cfg
+        self.model = body
+        if lm_head is not None:
+            self.lm_head = DenseLinear(lm_head)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the LM head (the embedding when tied)."""
+        return self.lm_head.weight if hasattr(self, "lm_head") else self.model.embed_tokens.weight
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [b, t, hidden]; logits are `hidden @ head_weight.T`, taken in chunks."""
+        if ids.shape[1] > self.cfg.max_position_embeddings:
+            raise NvgError(f"window of {ids.shape[1]} tokens exceeds the model's max_position_embeddings {self.cfg.max_position_embeddings}")
+        x = self.model.embed_tokens(ids)
+        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = x.to(dt)
+        cos, sin = rotary_tables(self.cfg, ids.shape[1], ids.device)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Full logits: for tests and small inputs only (the pipeline never materialises these)."""
+        h = self.hidden(ids)
+        return F.linear(h, self.head_weight.to(h.dtype))
+
+    def blr_linears(self) -> dict[str, BlrLinear]:
+        return {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, BlrLinear)}
+
+    def norm_gains(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.named_parameters() if n.endswith("norm.weight")}
+
+
+def build_model(cfg: ModelConfig, get) -> Llama:
+    """Assemble a model; `get(name)` returns a float32 torch tensor, a `blr.BlrTensor`, or None if absent."""
+
+    def need(name):
+        t = get(name)
+        if t is None:
+            raise NvgError(f"tensor {name!r} is missing")
+        return t
+
+    def norm(name):
+        return RMSNorm(need(name), cfg.rms_norm_eps, cfg.gemma_norm)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        linears = {}
+        for role, suffix in BODY_ROLES.items():
+            w = need(f"model.layers.{i}.{suffix}.weight")
+            b = get(f"model.layers.{i}.{suffix}.bias")
+            linears[role] = BlrLinear(w, b) if isinstance(w, blr_codec.BlrTensor) else DenseLinear(w, b)
+        norms = {n: norm(f"model.layers.{i}.{n}.weight") for n in ("input_layernorm", "post_attention_layernorm")}
+        if get(f"model.layers.{i}.self_attn.q_norm.weight") is not None:
+            norms["q_norm"] = norm(f"model.layers.{i}.self_attn.q_norm.weight")
+            norms["k_norm"] = norm(f"model.layers.{i}.self_attn.k_norm.weight")
+        layers.append(Block(cfg, linears, norms))
+    body = Body(need("model.embed_tokens.weight"), layers, norm("model.norm.weight"))
+    lm_head = None if cfg.tie_word_embeddings else get("lm_head.weight")
+    if lm_head is None and not cfg.tie_word_embeddings:
+        raise NvgError("tensor 'lm_head.weight' is missing and the embeddings are not tied")
+    return Llama(cfg, body, lm_head)
+
+
+def load_model(source: str | CmfFile, device: str | torch.device = "cpu") -> Llama:
+    """A model from a CMF file: dense tensors dequantised to float32, BLR tensors kept factored."""
+    cmf = source if isinstance(source, CmfFile) else read_cmf(source)
+    cfg = ModelConfig.from_arch(cmf.arch)
+
+    def get(name):
+        t = cmf.tensors.get(name)
+        if t is None:
+            return None
+        if t.dtype == BLR:
+            return blr_codec.decode(bytes(t.data))
+        return torch.from_numpy(tensor_to_numpy(t))
+
+    with torch.device("cpu"):
+        model = build_model(cfg, get)
+    return model.to(device).eval()
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16/fp16 autocast on CUDA; float32 on the CPU (bf16 CPU matmuls are slow and inexact)."""
+    if device.type == "cuda" and precision in ("bf16", "fp16"):
+        return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return torch.autocast(device.type, enabled=False)
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Dense forward matmul FLOPs per token (2 per multiply-add), for model FLOP utilisation."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    attn = d * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    return 2.0 * (cfg.num_layers * (attn + 3 * d * f) + d * cfg.vocab_size)
+
