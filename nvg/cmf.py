@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nvg.atomic import atomic_path
 from nvg.errors import NvgError
 from nvg.hash64 import hash64, hex16
 
@@ -272,20 +273,9 @@ def cmf_bytes(header: dict, tensors: list[Tensor], vocab: bytes | None = None) -
     return envelope + header_bytes + directory + pad + bytes(blob) + (vocab or b"")
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary name beside the target, fsync, then rename: a reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_cmf(path, header: dict, tensors: list[Tensor], vocab: bytes | None = None) -> None:
-    atomic_write_bytes(path, cmf_bytes(header, tensors, vocab))
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(cmf_bytes(header, tensors, vocab))
 
 
 def write_cmf_shards(first_path, header: dict, tensors: list[Tensor], vocab: bytes | None, count: int) -> list[Path]:

@@ -1,0 +1,78 @@
+"""The `nvg` command: file tools (`inspect`, `verify`) and every pipeline stage by name.
+
+    nvg inspect FILE.cmf      header, tensors, dtypes, shapes, bits per weight
+    nvg verify FILE.cmf       every hash; exit 1 on any mismatch
+    nvg <stage> ...           the same as `python -m nvg.<stage> ...`
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from nvg.cmf import BLR, DTYPE_NAMES, read_cmf, verify
+from nvg.errors import exits_cleanly
+from nvg.model import parse_body_linear
+
+STAGES = ["import_teacher", "tokenize_windows", "teacher_topk", "gram_capture", "budget_reencode",
+          "dtgma_cut", "train_student", "export", "evaluate"]
+
+
+def bits_summary(cmf) -> dict:
+    """Bits per weight counted from stored bytes: of the body linears, and of the whole file's tensors."""
+    body_bytes = body_weights = all_bytes = all_weights = 0
+    for t in cmf.tensors.values():
+        all_bytes += len(t.data)
+        all_weights += t.numel
+        if parse_body_linear(t.name):
+            body_bytes += len(t.data)
+            body_weights += t.numel
+    return {
+        "body_bpw": 8 * body_bytes / max(1, body_weights),
+        "file_bpw": 8 * all_bytes / max(1, all_weights),
+        "body_weights": body_weights,
+        "all_weights": all_weights,
+    }
+
+
+def inspect(path: str) -> None:
+    cmf = read_cmf(path)
+    h = {k: v for k, v in cmf.header.items() if k not in ("tokenizer_config",)}
+    print(f"{cmf.path}: CMF v2, features {cmf.features:#x}, {len(cmf.tensors)} tensors, vocab {len(cmf.vocab or b'')} bytes")
+    print(json.dumps(h, indent=1)[:4000])
+    print(f"{'name':60s} {'dtype':8s} {'shape':16s} {'bytes':>10s} {'bpw':>7s}")
+    for t in cmf.tensors.values():
+        print(f"{t.name:60s} {DTYPE_NAMES[t.dtype]:8s} {str(list(t.shape)):16s} {len(t.data):10d} {8 * len(t.data) / t.numel:7.3f}")
+    s = bits_summary(cmf)
+    print(f"body linears: {s['body_bpw']:.4f} bpw over {s['body_weights']} weights; whole file: {s['file_bpw']:.4f} bpw; "
+          f"blr tensors: {sum(t.dtype == BLR for t in cmf.tensors.values())}")
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].replace("-", "_") in STAGES:
+        importlib.import_module(f"nvg.{argv[0].replace('-', '_')}").cli(argv[1:])
+        return
+    ap = argparse.ArgumentParser(prog="nvg", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("inspect", help="header, tensors and bits per weight of a CMF").add_argument("file")
+    sub.add_parser("verify", help="check every hash of a CMF").add_argument("file")
+    for s in STAGES:
+        sub.add_parser(s.replace("_", "-"), help=f"pipeline stage {s} (python -m nvg.{s})")
+    a = ap.parse_args(argv)
+    if a.cmd == "inspect":
+        inspect(a.file)
+    elif a.cmd == "verify":
+        problems = verify(a.file)
+        for p in problems:
+            print(p, file=sys.stderr)
+        if problems:
+            raise SystemExit(1)
+        print(f"{a.file}: OK (header, directory, every tensor and section hash)")
+
+
+if __name__ == "__main__":
+    main()

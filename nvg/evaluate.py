@@ -1,0 +1,131 @@
+"""Stage `evaluate`: teacher, encoded student and final student, side by side → `eval.json`.
+
+On the held-out windows (and, when `ood` names a source, on out-of-domain text): perplexity, KL to
+the teacher over the full vocabulary and over its cached top-k, top-1 agreement with the teacher;
+bits per weight of the body linears and of the whole file counted from the stored bytes; file sizes;
+wall time per stage from the rules' benchmark files.
+
+    python -m nvg.evaluate --teacher T.cmf --encoded E.cmf --final M.cmf --windows W.h5 --topk ... \
+        --out eval.json --settings JSON [--benchmarks benchmarks/*.tsv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nvg.atomic import write_json
+from nvg.cli import bits_summary
+from nvg.cmf import read_cmf
+from nvg.errors import exits_cleanly
+from nvg.losses import full_kl_and_agreement, next_token_nll, topk_kl
+from nvg.model import autocast, load_model, pick_device
+from nvg.settings import check, from_json
+from nvg.teacher_topk import read_topk
+from nvg.tokenize_windows import ChatRenderer, read_windows, source_tokens
+
+
+@dataclass
+class EvalSettings:
+    batch: int = 4
+    ood: str | None = None
+    ood_tokens: int = 4096
+    device: str = "auto"
+    precision: str = "bf16"
+
+    def __post_init__(self):
+        check(self.batch >= 1, "evaluate", "batch", f"must be >= 1, got {self.batch}")
+        check(self.ood_tokens >= 16, "evaluate", "ood_tokens", f"must be >= 16, got {self.ood_tokens}")
+
+
+@torch.no_grad()
+def score(models: dict, windows: np.ndarray, t_ids, t_logp, settings: EvalSettings, device) -> dict:
+    """Per model: ppl, full KL to the teacher, top-k KL (when targets are given), top-1 agreement."""
+    acc = {n: {"nll": 0.0, "kl_full": 0.0, "kl_topk": 0.0, "agree": 0} for n in models}
+    n_pred = n_tok = 0
+    teacher = models["teacher"]
+    for s in range(0, len(windows), settings.batch):
+        ids = torch.from_numpy(windows[s : s + settings.batch]).to(device)
+        with autocast(device, settings.precision):
+            t_hidden = teacher.hidden(ids)
+            for name, m in models.items():
+                h = t_hidden if name == "teacher" else m.hidden(ids)
+                acc[name]["nll"] += float(next_token_nll(h[:, :-1], m.head_weight, ids[:, 1:]))
+                kl, agree = full_kl_and_agreement(t_hidden, h, teacher.head_weight, m.head_weight)
+                acc[name]["kl_full"] += float(kl)
+                acc[name]["agree"] += agree
+                if t_ids is not None:
+                    rows = slice(s, s + len(ids))
+                    acc[name]["kl_topk"] += float(topk_kl(h, m.head_weight, torch.from_numpy(t_ids[rows]).to(device),
+                                                          torch.from_numpy(t_logp[rows]).to(device)))
+        n_pred += ids[:, 1:].numel()
+        n_tok += ids.numel()
+    out = {}
+    for name, a in acc.items():
+        out[name] = {"perplexity": math.exp(a["nll"] / n_pred), "kl_full": a["kl_full"] / n_tok,
+                     "top1_agreement": a["agree"] / n_tok}
+        if t_ids is not None:
+            out[name]["kl_topk"] = a["kl_topk"] / n_tok
+    out["tokens"] = n_tok
+    return out
+
+
+def stage_seconds(paths: list[Path]) -> dict:
+    """Wall time of each stage from Snakemake's benchmark TSVs (`s` column)."""
+    out = {}
+    for p in paths:
+        with open(p) as f:
+            rows = list(csv.DictReader(f, delimiter="\t"))
+        if rows:
+            out[p.stem] = float(rows[-1]["s"])
+    return out
+
+
+def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Path], out: Path,
+         settings: EvalSettings, benchmarks: list[Path]) -> None:
+    tokens, attrs = read_windows(windows)
+    n_train = int(attrs["n_train"])
+    t_ids, t_logp = read_topk(topk, len(tokens))
+    device = pick_device(settings.device)
+    cmfs = {"teacher": read_cmf(teacher), "encoded": read_cmf(encoded), "final": read_cmf(final)}
+    models = {n: load_model(c, device) for n, c in cmfs.items()}
+    report = {"heldout": score(models, tokens[n_train:], t_ids[n_train:], t_logp[n_train:], settings, device)}
+    if settings.ood:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(cmfs["teacher"].vocab.decode("utf-8"))
+        window = tokens.shape[1]
+        ids = source_tokens(settings.ood, settings.ood_tokens, tok, ChatRenderer(None, settings.ood))
+        ood = ids[: len(ids) // window * window].reshape(-1, window)
+        report["ood"] = {"source": settings.ood, **score(models, ood, None, None, settings, device)}
+    report["files"] = {n: {"path": str(c.path), "bytes": c.path.stat().st_size, **bits_summary(c)} for n, c in cmfs.items()}
+    report["training_tokens"] = cmfs["final"].header.get("provenance", {}).get("nvg_train", {}).get("tokens")
+    report["stage_seconds"] = stage_seconds(benchmarks)
+    write_json(out, report)
+    h = report["heldout"]
+    print(f"evaluate: held-out ppl teacher {h['teacher']['perplexity']:.2f}, encoded {h['encoded']['perplexity']:.2f}, "
+          f"final {h['final']['perplexity']:.2f}; KL(top-k) encoded {h['encoded']['kl_topk']:.4f} → final "
+          f"{h['final']['kl_topk']:.4f}; body bpw {report['files']['final']['body_bpw']:.4f} → {out}", file=sys.stderr)
+
+
+@exits_cleanly
+def cli(argv=None):
+    ap = argparse.ArgumentParser(prog="nvg evaluate", description=__doc__.splitlines()[0])
+    for name in ("teacher", "encoded", "final", "windows", "out"):
+        ap.add_argument(f"--{name}", required=True, type=Path)
+    ap.add_argument("--topk", required=True, type=Path, nargs="+")
+    ap.add_argument("--benchmarks", type=Path, nargs="*", default=[])
+    ap.add_argument("--settings", required=True)
+    a = ap.parse_args(argv)
+    main(a.teacher, a.encoded, a.final, a.windows, a.topk, a.out, from_json(EvalSettings, a.settings, "evaluate"), a.benchmarks)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,117 @@
+"""Stage `gram_capture`: per layer and linear input, the input Grams H = Σ x xᵀ over FIT and SEL tokens.
+
+Inputs: `attn_in` (feeds q/k/v), `attn_out` (feeds o), `mlp_in` (feeds gate/up), `mlp_down` (feeds
+down). FIT windows are the first `fit_windows` training windows, SEL the next `sel_windows` (disjoint);
+held-out windows are never used. Grams accumulate in float32 on the device through forward hooks.
+Output `grams/{model}.h5`: `layer{i}/{input}/fit` and `…/sel` float32 [n, n], attributes count_fit,
+count_sel (tokens).
+
+    python -m nvg.gram_capture --model M.cmf --windows W.h5 --out grams/teacher.h5 --settings JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from nvg.atomic import atomic_path
+from nvg.errors import NvgError, exits_cleanly
+from nvg.model import BODY_ROLES, ROLE_INPUT, autocast, load_model, pick_device
+from nvg.settings import check, from_json
+from nvg.tokenize_windows import read_windows
+
+INPUT_LEAD = {"attn_in": "q", "attn_out": "o", "mlp_in": "gate", "mlp_down": "down"}  # one hook per input
+
+
+@dataclass
+class GramSettings:
+    fit_windows: int = 16
+    sel_windows: int = 8
+    batch: int = 4
+    device: str = "auto"
+    precision: str = "fp32"
+
+    def __post_init__(self):
+        check(self.fit_windows >= 1, "grams", "fit_windows", f"must be >= 1, got {self.fit_windows}")
+        check(self.sel_windows >= 1, "grams", "sel_windows", f"must be >= 1, got {self.sel_windows}")
+        check(self.batch >= 1, "grams", "batch", f"must be >= 1, got {self.batch}")
+
+
+def capture(model, tokens: np.ndarray, device, batch: int, precision: str) -> tuple[dict, int]:
+    """{(layer, input): H float32 [n, n]} over all tokens, and the token count."""
+    grams: dict = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        for name, role in INPUT_LEAD.items():
+            module = layer.get_submodule(BODY_ROLES[role])
+
+            def hook(_mod, args, key=(i, name)):
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                if key not in grams:
+                    grams[key] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+                grams[key].addmm_(x.T, x)
+
+            hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad(), autocast(device, precision):
+            for s in range(0, len(tokens), batch):
+                model.hidden(torch.from_numpy(tokens[s : s + batch]).to(device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: v.cpu().numpy() for k, v in grams.items()}, int(tokens.size)
+
+
+def read_grams(path, layer: int, name: str) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """(H_fit, H_sel, count_fit, count_sel) of one layer input."""
+    try:
+        with h5py.File(path, "r") as f:
+            g = f[f"layer{layer}/{name}"]
+            return g["fit"][...], g["sel"][...], int(g.attrs["count_fit"]), int(g.attrs["count_sel"])
+    except (OSError, KeyError) as e:
+        raise NvgError(f"{path}: Gram layer{layer}/{name} not readable ({e})") from None
+
+
+def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> None:
+    tokens, attrs = read_windows(windows)
+    n_train = int(attrs["n_train"])
+    if settings.fit_windows + settings.sel_windows > n_train:
+        raise NvgError(f"config grams: fit_windows + sel_windows = {settings.fit_windows + settings.sel_windows} "
+                       f"exceeds the {n_train} training windows")
+    device = pick_device(settings.device)
+    model = load_model(model_path, device)
+    fit = tokens[: settings.fit_windows]
+    sel = tokens[settings.fit_windows : settings.fit_windows + settings.sel_windows]
+    g_fit, c_fit = capture(model, fit, device, settings.batch, settings.precision)
+    g_sel, c_sel = capture(model, sel, device, settings.batch, settings.precision)
+    with atomic_path(out) as tmp:
+        with h5py.File(tmp, "w") as f:
+            for (layer, name), h in g_fit.items():
+                grp = f.create_group(f"layer{layer}/{name}")
+                grp.create_dataset("fit", data=h)
+                grp.create_dataset("sel", data=g_sel[(layer, name)])
+                grp.attrs.update({"count_fit": c_fit, "count_sel": c_sel})
+            f.attrs.update({"model": str(model_path), "windows_hash": attrs["tokens_hash"],
+                            "inputs": sorted(set(ROLE_INPUT.values()))})
+    print(f"gram_capture: {len(g_fit)} Grams ({c_fit} FIT + {c_sel} SEL tokens) on {device} → {out}", file=sys.stderr)
+
+
+@exits_cleanly
+def cli(argv=None):
+    ap = argparse.ArgumentParser(prog="nvg gram-capture", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--windows", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--settings", required=True)
+    a = ap.parse_args(argv)
+    main(a.model, a.windows, a.out, from_json(GramSettings, a.settings, "grams"))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,267 @@
+"""Stage `train_student`: distil the BLR metric (h, ℓ, g of every path) and the RMSNorm gains.
+
+Loss per token: KL(teacher top-k renormalised ‖ student), the student's full-vocabulary softmax
+gathered at the teacher's ids (`tail: true` adds the (k+1)-th bucket), computed in chunks. Adam
+(0.9, 0.999, 1e-8), linear warm-up over max(1, steps/50) then cosine to zero over the whole run (even
+when `stop_after` ends it early), global-norm clipping, bf16 autocast (fp16 mode: dynamic gradient
+scale from 4096, halved on a non-finite step); a non-finite step is skipped, counted and logged.
+Held-out KL before training, every `eval_every` steps and at the end; the best snapshot is restored.
+
+Resume: every `state_every` steps the whole state (one dict: parameters, Adam moments, best
+snapshot, counters, epoch and batch position, eval and metric logs) is written atomically to
+`<state_root>/<key>/state.pt`, key = hash of the inputs and settings. Rerunning resumes from it; the
+batch order is a pure function of (seed, epoch), so a resumed run ends bit-identical (CPU).
+
+    python -m nvg.train_student --student S.cmf --windows W.h5 --topk topk.0.h5 ... \
+        --out trained.cmf --metrics metrics.jsonl --settings JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from nvg.atomic import atomic_path
+from nvg.cmf import BLR, F16, Tensor, dense_tensor, read_cmf, write_cmf
+from nvg.errors import NvgError, exits_cleanly
+from nvg.hash64 import hash64, hex16
+from nvg.losses import topk_kl
+from nvg.model import autocast, load_model, pick_device
+from nvg.settings import check, from_json
+from nvg.teacher_topk import read_topk
+from nvg.tokenize_windows import read_windows
+
+
+@dataclass
+class TrainSettings:
+    epochs: int = 1
+    batch: int = 4
+    lr: float = 1e-3
+    clip: float = 1.0
+    eval_every: int = 8
+    state_every: int = 4
+    stop_after: int | None = None
+    tail: bool = False
+    precision: str = "bf16"
+    seed: int = 1234
+    device: str = "auto"
+    state_root: str = "results/state/train_student"
+
+    def __post_init__(self):
+        check(self.epochs >= 1, "train", "epochs", f"must be >= 1, got {self.epochs}")
+        check(self.batch >= 1, "train", "batch", f"must be >= 1, got {self.batch}")
+        check(self.lr > 0, "train", "lr", f"must be > 0, got {self.lr}")
+        check(self.clip > 0, "train", "clip", f"must be > 0, got {self.clip}")
+        check(self.eval_every >= 1, "train", "eval_every", f"must be >= 1, got {self.eval_every}")
+        check(self.state_every >= 0, "train", "state_every", f"must be >= 0, got {self.state_every}")
+        check(self.stop_after is None or self.stop_after >= 1, "train", "stop_after", f"must be >= 1 or null, got {self.stop_after}")
+        check(self.precision in ("bf16", "fp16", "fp32"), "train", "precision", f"bf16, fp16 or fp32, got {self.precision!r}")
+
+
+def lr_shape(step: int, total: int) -> float:
+    """Linear warm-up over max(1, total/50) steps, then cosine to zero at `total`."""
+    warm = max(1, total // 50)
+    if step <= warm:
+        return step / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def trainable(model) -> dict[str, torch.nn.Parameter]:
+    """h, ℓ, g of every BLR linear and every RMSNorm gain; everything else frozen."""
+    params = {}
+    for name, p in model.named_parameters():
+        keep = name.endswith((".h", ".ell", ".g")) or name.endswith("norm.weight")
+        p.requires_grad_(keep)
+        if keep:
+            params[name] = p
+    return params
+
+
+def state_key(inputs: list[Path], settings: TrainSettings) -> str:
+    """Names the state folder: any change of an input file or a result-affecting setting gives a new one."""
+    parts = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
+    s = {k: v for k, v in asdict(settings).items() if k not in ("device", "state_root", "stop_after")}
+    return hex16(hash64(json.dumps([parts, s], sort_keys=True).encode()))
+
+
+class Distiller:
+    """The student, its batches and the teacher's targets, with loss, eval and snapshot helpers."""
+
+    def __init__(self, model, tokens, t_ids, t_logp, n_train, settings: TrainSettings, device):
+        self.model, self.s, self.device = model, settings, device
+        self.tokens, self.t_ids, self.t_logp = tokens, t_ids, t_logp
+        self.n_train = n_train
+        self.params = trainable(model)
+
+    def batch(self, rows):
+        pick = lambda a: torch.from_numpy(a[rows]).to(self.device)  # noqa: E731
+        return pick(self.tokens), pick(self.t_ids), pick(self.t_logp)
+
+    def loss(self, rows) -> torch.Tensor:
+        ids, t_ids, t_logp = self.batch(rows)
+        with autocast(self.device, self.s.precision):
+            hidden = self.model.hidden(ids)
+            return topk_kl(hidden, self.model.head_weight, t_ids, t_logp, self.s.tail) / ids.numel()
+
+    @torch.no_grad()
+    def heldout_kl(self) -> float:
+        rows = list(range(self.n_train, len(self.tokens)))
+        total = 0.0
+        for s in range(0, len(rows), self.s.batch):
+            total += float(self.loss(rows[s : s + self.s.batch])) * len(rows[s : s + self.s.batch])
+        return total / len(rows)
+
+    def snapshot(self) -> dict:
+        return {n: p.detach().cpu().clone() for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def restore(self, snap: dict) -> None:
+        for n, p in self.params.items():
+            p.copy_(snap[n].to(p.device))
+
+
+def export_student(student_cmf, model, out: Path, provenance_block: dict) -> None:
+    """A copy of the student with the trained payload values: same tensors, shapes, dtypes and sizes."""
+    blr = model.blr_linears()
+    gains = model.norm_gains()
+    tensors = []
+    for name, t in student_cmf.tensors.items():
+        if name in blr and t.dtype == BLR:
+            data = blr[name].to_payload().encode()
+        elif name in gains and t.dtype == F16:
+            data = dense_tensor(name, gains[name].detach().cpu().numpy(), F16).data
+        else:
+            data = t.data
+        if len(data) != len(t.data):
+            raise NvgError(f"{name}: exported payload is {len(data)} bytes, the student's is {len(t.data)}")
+        tensors.append(Tensor(name, t.dtype, t.shape, data))
+    header = dict(student_cmf.header)
+    header["provenance"] = {**header.get("provenance", {}), "nvg_train": provenance_block}
+    write_cmf(out, header, tensors, student_cmf.vocab)
+
+
+def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out: Path, metrics: Path,
+         settings: TrainSettings) -> None:
+    s = settings
+    torch.manual_seed(s.seed)
+    tokens, attrs = read_windows(windows)
+    n_train = int(attrs["n_train"])
+    t_ids, t_logp = read_topk(topk, len(tokens))
+    device = pick_device(s.device)
+    s_cmf = read_cmf(student)
+    model = load_model(s_cmf, device)
+    d = Distiller(model, tokens, t_ids, t_logp, n_train, s, device)
+    if not d.params:
+        raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
+    n_batches = n_train // s.batch
+    if n_batches < 1:
+        raise NvgError(f"config train.batch: {s.batch} exceeds the {n_train} training windows")
+    total = n_batches * s.epochs
+    opt = torch.optim.Adam(list(d.params.values()), lr=s.lr, betas=(0.9, 0.999), eps=1e-8)
+    state_dir = Path(s.state_root) / state_key([student, windows, *topk], s)
+    state_file = state_dir / "state.pt"
+    if state_file.exists():
+        st = torch.load(state_file, map_location="cpu", weights_only=False)
+        d.restore(st["params"])
+        opt.load_state_dict(st["adam"])
+        print(f"train_student: resumed {state_file} at step {st['done']} (epoch {st['epoch']}, batch {st['pos']})", file=sys.stderr)
+    else:
+        e0 = d.heldout_kl()
+        st = {"done": 0, "epoch": 0, "pos": 0, "skipped": 0, "gscale": 4096.0 if s.precision == "fp16" else 1.0,
+              "e0": e0, "best_kl": e0, "best_step": 0, "best": d.snapshot(), "evals": [{"step": 0, "heldout_kl": e0}],
+              "metrics": [{"step": 0, "heldout_kl": e0}], "tokens_seen": 0}
+    print(f"train_student: {len(d.params)} trainable tensors, {n_batches} batches × {s.epochs} epochs = {total} steps, "
+          f"held-out KL before training {st['e0']:.5f}, device {device}", file=sys.stderr)
+    done0, t0 = st["done"], time.perf_counter()
+    stop = s.stop_after or total
+    for epoch in range(st["epoch"], s.epochs):
+        if st["done"] >= stop:
+            break
+        order = torch.randperm(n_batches, generator=torch.Generator().manual_seed(s.seed + epoch)).tolist()
+        first = st["pos"] if epoch == st["epoch"] else 0
+        for pos in range(first, n_batches):
+            if st["done"] >= stop:
+                break
+            rows = list(range(order[pos] * s.batch, (order[pos] + 1) * s.batch))
+            loss = d.loss(rows)
+            (loss * st["gscale"]).backward()
+            grads = [p.grad for p in d.params.values()]
+            for g in grads:
+                g.div_(st["gscale"])
+            gn = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            st["epoch"], st["pos"] = epoch, pos + 1
+            if not (math.isfinite(gn) and math.isfinite(float(loss))):
+                opt.zero_grad(set_to_none=True)
+                st["skipped"] += 1
+                if s.precision == "fp16":
+                    st["gscale"] = max(1.0, st["gscale"] / 2)
+                print(f"\n  non-finite step (loss {float(loss):.4f}, |g| {gn:.3e}): skipped, gscale {st['gscale']}", file=sys.stderr)
+                st["metrics"].append({"step": st["done"], "skipped": True})
+                continue
+            st["done"] += 1
+            lr = s.lr * lr_shape(st["done"], total)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            if gn > s.clip:
+                for g in grads:
+                    g.mul_(s.clip / gn)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            st["tokens_seen"] += len(rows) * tokens.shape[1]
+            elapsed = time.perf_counter() - t0
+            per_step = elapsed / max(1, st["done"] - done0)
+            tok_s = (st["done"] - done0) * s.batch * tokens.shape[1] / max(elapsed, 1e-9)
+            st["metrics"].append({"step": st["done"], "loss": float(loss), "grad_norm": gn, "lr": lr, "tok_s": tok_s})
+            print(f"  epoch {epoch + 1} step {st['done']}/{total}  loss {float(loss):.4f}  |g| {gn:.3e}  lr {lr:.2e}  "
+                  f"{per_step:.2f} s/step  {tok_s:.0f} tok/s  ETA {per_step * (min(stop, total) - st['done']):.0f}s",
+                  file=sys.stderr)
+            if st["done"] % s.eval_every == 0 or st["done"] == total:
+                e = d.heldout_kl()
+                if e < st["best_kl"]:
+                    st["best_kl"], st["best_step"], st["best"] = e, st["done"], d.snapshot()
+                st["evals"].append({"step": st["done"], "heldout_kl": e})
+                st["metrics"].append({"step": st["done"], "heldout_kl": e})
+                print(f"  step {st['done']}: held-out KL {e:.5f} (best {st['best_kl']:.5f} at {st['best_step']})", file=sys.stderr)
+            if s.state_every and st["done"] % s.state_every == 0 and st["done"] < total:
+                state_dir.mkdir(parents=True, exist_ok=True)
+                with atomic_path(state_file) as tmp:
+                    torch.save({**st, "params": d.snapshot(), "adam": opt.state_dict()}, tmp)
+    d.restore(st["best"])
+    print(f"train_student: best held-out KL {st['best_kl']:.5f} at step {st['best_step']} (start {st['e0']:.5f}); "
+          f"{st['skipped']} non-finite steps skipped; {st['done']} steps", file=sys.stderr)
+    export_student(s_cmf, model, out, {
+        "teacher": teacher_name, "tokens": st["tokens_seen"], "window": int(tokens.shape[1]), "batch": s.batch,
+        "lr": s.lr, "topk": int(t_ids.shape[-1]), "steps": st["done"], "best_step": st["best_step"],
+        "heldout_kl_start": st["e0"], "heldout_kl_best": st["best_kl"], "skipped": st["skipped"],
+        "tail": s.tail, "precision": s.precision, "evals": st["evals"],
+    })
+    with atomic_path(metrics) as tmp:
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in st["metrics"]))
+
+
+@exits_cleanly
+def cli(argv=None):
+    ap = argparse.ArgumentParser(prog="nvg train-student", description=__doc__.splitlines()[0])
+    ap.add_argument("--student", required=True, type=Path)
+    ap.add_argument("--windows", required=True, type=Path)
+    ap.add_argument("--topk", required=True, type=Path, nargs="+")
+    ap.add_argument("--teacher-name", default="teacher.cmf")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--metrics", required=True, type=Path)
+    ap.add_argument("--settings", required=True)
+    a = ap.parse_args(argv)
+    main(a.student, a.windows, a.topk, a.teacher_name, a.out, a.metrics, from_json(TrainSettings, a.settings, "train"))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    cli()
