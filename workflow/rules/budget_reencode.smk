@@ -1,0 +1,31 @@
+# Encode every body linear at its planned budget; with config student, re-encode only what the plan changes.
+rule budget_reencode:
+    input:
+        unpack(
+            lambda wildcards: {"plan": config["plan"]} if config["plan"] else {}
+        ),
+        unpack(
+            lambda wildcards: {"student": config["student"]} if config["student"] else {}
+        ),
+        teacher="results/teacher.cmf",
+        grams="results/grams/student.h5" if config["student"] else "results/grams/teacher.h5",
+        code=nvg_sources("budget_reencode"),
+    output:
+        cmf="results/student/encoded.cmf",
+        report="results/student/encode.json",
+    log:
+        "logs/budget_reencode.log",
+    benchmark:
+        "benchmarks/budget_reencode.tsv"
+    params:
+        settings=settings("encode"),
+        plan=f"--plan {config['plan']}" if config["plan"] else "",
+        student=f"--student {config['student']}" if config["student"] else "",
+    threads: 2
+    resources:
+        gpu=1,
+        mem_mb=16000,
+        runtime=lambda wildcards, attempt: 60 * attempt,
+    shell:
+        "python -m nvg.budget_reencode --teacher {input.teacher} --grams {input.grams} {params.plan} {params.student} "
+        "--out {output.cmf} --report {output.report} --settings {params.settings:q} > {log} 2>&1"

@@ -1,0 +1,25 @@
+rule evaluate:
+    input:
+        teacher="results/teacher.cmf",
+        encoded="results/student/encoded.cmf",
+        final="results/model.cmf",
+        windows="results/data/windows.h5",
+        topk=topk_shards(),
+        code=nvg_sources("evaluate"),
+    output:
+        report="results/eval.json",
+    log:
+        "logs/evaluate.log",
+    benchmark:
+        "benchmarks/evaluate.tsv"
+    params:
+        settings=settings("evaluate"),
+    threads: 2
+    resources:
+        gpu=1,
+        mem_mb=16000,
+        runtime=lambda wildcards, attempt: 60 * attempt,
+    shell:
+        "python -m nvg.evaluate --teacher {input.teacher} --encoded {input.encoded} --final {input.final} "
+        "--windows {input.windows} --topk {input.topk} --out {output.report} --settings {params.settings:q} "
+        "--benchmarks $(ls benchmarks/*.tsv 2>/dev/null) > {log} 2>&1"

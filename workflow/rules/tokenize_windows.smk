@@ -1,0 +1,18 @@
+rule tokenize_windows:
+    input:
+        teacher="results/teacher.cmf",
+        code=nvg_sources("tokenize_windows"),
+    output:
+        windows="results/data/windows.h5",
+    log:
+        "logs/tokenize_windows.log",
+    benchmark:
+        "benchmarks/tokenize_windows.tsv"
+    params:
+        settings=settings("data"),
+    resources:
+        mem_mb=4000,
+        runtime=30,
+    shell:
+        "python -m nvg.tokenize_windows --teacher {input.teacher} --out {output.windows} "
+        "--settings {params.settings:q} > {log} 2>&1"

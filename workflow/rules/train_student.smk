@@ -1,0 +1,27 @@
+# Resumable: the step module keeps its state under train.state_root/<hash of inputs and settings>,
+# outside the declared outputs, so a killed or timed-out job continues where it stopped on rerun/retry.
+rule train_student:
+    input:
+        student=student_for_training(),
+        windows="results/data/windows.h5",
+        topk=topk_shards(),
+        code=nvg_sources("train_student"),
+    output:
+        cmf="results/train/trained.cmf",
+        metrics="results/train/metrics.jsonl",
+    log:
+        "logs/train_student.log",
+    benchmark:
+        "benchmarks/train_student.tsv"
+    params:
+        settings=settings("train"),
+        teacher=config["teacher"],
+    threads: 2
+    resources:
+        gpu=1,
+        mem_mb=32000,
+        runtime=lambda wildcards, attempt: 240 * attempt,
+    shell:
+        "python -m nvg.train_student --student {input.student} --windows {input.windows} --topk {input.topk} "
+        "--teacher-name {params.teacher:q} --out {output.cmf} --metrics {output.metrics} "
+        "--settings {params.settings:q} > {log} 2>&1"
