@@ -13,6 +13,8 @@ rule budget_reencode:
     output:
         cmf="results/student/encoded.cmf",
         report="results/student/encode.json",
+    conda:
+        "../envs/nvg.yaml"
     log:
         "logs/budget_reencode.log",
     benchmark:

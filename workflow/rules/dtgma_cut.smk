@@ -7,6 +7,8 @@ rule dtgma_cut:
         code=nvg_sources("dtgma_cut"),
     output:
         cmf="results/student/masked.cmf",
+    conda:
+        "../envs/nvg.yaml"
     log:
         "logs/dtgma_cut.log",
     benchmark:

@@ -8,6 +8,8 @@ rule evaluate:
         code=nvg_sources("evaluate"),
     output:
         report="results/eval.json",
+    conda:
+        "../envs/nvg.yaml"
     log:
         "logs/evaluate.log",
     benchmark:

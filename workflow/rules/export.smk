@@ -4,6 +4,8 @@ rule export:
         code=nvg_sources("export"),
     output:
         cmf="results/model.cmf",
+    conda:
+        "../envs/nvg.yaml"
     log:
         "logs/export.log",
     params:

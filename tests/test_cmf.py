@@ -1,0 +1,204 @@
+"""CMF v2: round trips of every dtype, shards, determinism, hashes, and one crafted bad file per hard error."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from nvg import blr as codec
+from nvg.cmf import (BF16, BLR, ENVELOPE, F16, F32, Q4_BLOCK, Q8_2F, Q8_ROW, RECORD, Tensor, cmf_bytes, dense_tensor,
+                     read_cmf, tensor_to_numpy, verify, write_cmf, write_cmf_shards)
+from nvg.errors import NvgError
+from nvg.hash64 import hash64
+
+ARCH = {"arch_name": "llama", "hidden_size": 64, "intermediate_size": 128, "num_layers": 1, "num_attention_heads": 4,
+        "num_kv_heads": 2, "head_dim": 16, "vocab_size": 300, "layer_types": ["FullAttention"], "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 256}
+HEADER = {"format": "cmf", "version": 2, "arch": ARCH, "quant_type": "F16"}
+
+
+def random_blr(seed=0, paths=2, d_out=24, d_in=32, r=16) -> codec.BlrTensor:
+    rng = np.random.default_rng(seed)
+    return codec.BlrTensor.from_factors([
+        (rng.normal(size=d_out), rng.normal(size=d_in), rng.normal(size=r),
+         rng.choice([-1.0, 1.0], size=(d_out, r)), rng.choice([-1.0, 1.0], size=(r, d_in))) for _ in range(paths)])
+
+
+def sample_tensors():
+    rng = np.random.default_rng(0)
+    big = rng.normal(size=(128, 96)).astype(np.float32)  # 24 KiB in f16: placed at a 4096 boundary
+    return [
+        dense_tensor("a.f32", rng.normal(size=(3, 5)), F32),
+        dense_tensor("b.f16", big, F16),
+        dense_tensor("c.bf16", rng.normal(size=(7,)), BF16),
+        Tensor("d.blr", BLR, (24, 32), random_blr().encode()),
+    ]
+
+
+def test_round_trip_every_writable_dtype(tmp_path):
+    tensors = sample_tensors()
+    vocab = b'{"model": {}}'
+    write_cmf(tmp_path / "m.cmf", HEADER, tensors, vocab)
+    back = read_cmf(tmp_path / "m.cmf")
+    assert list(back.tensors) == [t.name for t in tensors]
+    for t in tensors:
+        got = back.tensors[t.name]
+        assert (got.dtype, got.shape, bytes(got.data)) == (t.dtype, t.shape, bytes(t.data))
+    assert back.vocab == vocab
+    assert back.header["section_hashes"]["vocab"] == f"{hash64(vocab):016x}"
+    raw = (tmp_path / "m.cmf").read_bytes()
+    data_off = struct.unpack_from("<Q", raw, 0x30)[0]
+    assert data_off % 4096 == 0
+    big_off = struct.unpack_from("<Q", raw, struct.unpack_from("<Q", raw, 0x20)[0] + 16 + RECORD.size + 32)[0]
+    assert big_off % 4096 == 0
+    assert verify(tmp_path / "m.cmf") == []
+    np.testing.assert_allclose(tensor_to_numpy(back.tensors["b.f16"]), np.asarray(tensors[1].data and
+                               np.frombuffer(bytes(tensors[1].data), "<f2").reshape(128, 96), np.float32))
+    bf = tensor_to_numpy(back.tensors["c.bf16"])
+    assert np.abs(bf - tensor_to_numpy(tensors[2])).max() == 0
+
+
+def test_same_content_gives_same_bytes():
+    assert cmf_bytes(HEADER, sample_tensors(), b"v") == cmf_bytes(HEADER, sample_tensors(), b"v")
+
+
+def test_bf16_rounds_to_nearest_even():
+    t = dense_tensor("x", np.array([1.0 + 2**-8, 1.0 + 3 * 2**-8], np.float32), BF16)
+    assert list(tensor_to_numpy(t)) == [1.0, 1.0 + 2**-6]
+
+
+def test_quantised_teacher_dtypes_dequantise():
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(4, 64)).astype(np.float32)
+    scale = (np.abs(w).max(1) / 127).astype(np.float16)
+    q = np.round(w / scale.astype(np.float32)[:, None]).astype(np.int8)
+    t = Tensor("q8", Q8_ROW, (4, 64), q.tobytes() + scale.tobytes())
+    np.testing.assert_allclose(tensor_to_numpy(t), q * scale.astype(np.float32)[:, None])
+    col = np.linspace(0.5, 1.5, 64).astype(np.float16)
+    t2 = Tensor("q2f", Q8_2F, (4, 64), q.tobytes() + scale.tobytes() + col.tobytes())
+    np.testing.assert_allclose(tensor_to_numpy(t2), q * scale.astype(np.float32)[:, None] * col.astype(np.float32)[None])
+    flat = w.reshape(-1)
+    groups = flat.reshape(-1, 32)
+    s4 = (np.abs(groups).max(1) / 7).astype(np.float16)
+    q4 = (np.clip(np.round(groups / s4.astype(np.float32)[:, None]), -8, 7) + 8).astype(np.uint8)
+    nib = (q4[:, 0::2] | (q4[:, 1::2] << 4)).astype(np.uint8)
+    t3 = Tensor("q4", Q4_BLOCK, (4, 64), nib.tobytes() + s4.tobytes())
+    np.testing.assert_allclose(tensor_to_numpy(t3).reshape(-1, 32), (q4.astype(np.float32) - 8) * s4.astype(np.float32)[:, None])
+
+
+def test_shards_round_trip(tmp_path):
+    tensors = sample_tensors()
+    paths = write_cmf_shards(tmp_path / "m-00001-of-00003.cmf", HEADER, tensors, b"vocab", 3)
+    assert [p.name for p in paths] == ["m-00001-of-00003.cmf", "m-00002-of-00003.cmf", "m-00003-of-00003.cmf"]
+    merged = read_cmf(paths[0])
+    assert sorted(merged.tensors) == sorted(t.name for t in tensors)
+    assert merged.vocab == b"vocab"
+    assert verify(paths[0]) == []
+    with pytest.raises(NvgError, match="open the first shard"):
+        read_cmf(paths[1])
+    paths[2].unlink()
+    with pytest.raises(NvgError, match="missing sibling shard 3 of 3"):
+        read_cmf(paths[0])
+
+
+def test_verify_reports_a_corrupt_payload(tmp_path):
+    p = tmp_path / "m.cmf"
+    write_cmf(p, HEADER, sample_tensors())
+    raw = bytearray(p.read_bytes())
+    data_off = struct.unpack_from("<Q", raw, 0x30)[0]
+    raw[data_off] ^= 0xFF
+    p.write_bytes(bytes(raw))
+    problems = verify(p)
+    assert len(problems) == 1 and "'a.f32' hash does not match" in problems[0]
+
+
+# ── one crafted bad file per hard error ──
+
+def _file(tmp_path) -> tuple:
+    p = tmp_path / "bad.cmf"
+    write_cmf(p, HEADER, sample_tensors())
+    raw = bytearray(p.read_bytes())
+    fields = ENVELOPE.unpack_from(raw, 0)
+    return p, raw, fields
+
+
+def _record(raw, i):
+    d_off = struct.unpack_from("<Q", raw, 0x20)[0]
+    return d_off + 16 + RECORD.size * i
+
+
+def _patch_record(raw, i, at, fmt, value):
+    struct.pack_into(fmt, raw, _record(raw, i) + at, value)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("truncated", "shorter than the 128-byte envelope"),
+    ("magic", "magic at offset 0x0"),
+    ("version", "version at offset 0x4: 3 is not 2"),
+    ("feature", "required_features at offset 0xc: unknown feature bits 0x100"),
+    ("data_align", "data_off at offset 0x30"),
+    ("past_eof", "runs past the end"),
+    ("tensor_past_blob", "runs past the"),
+    ("tensor_align", "is not a multiple of 64"),
+    ("duplicate", "duplicate tensor name"),
+    ("nbytes", "nbytes at offset"),
+    ("blr_header", "blr magic 0x0 is not 0x4c"),
+    ("dtype", "unknown dtype id 42"),
+    ("header_json", "header JSON at offset 0x80"),
+])
+def test_bad_file_is_one_clear_error(tmp_path, case, message):
+    p, raw, _ = _file(tmp_path)
+    if case == "truncated":
+        raw = raw[:100]
+    elif case == "magic":
+        raw[0:4] = b"GGUF"
+    elif case == "version":
+        struct.pack_into("<I", raw, 4, 3)
+    elif case == "feature":
+        struct.pack_into("<I", raw, 12, 1 | 1 << 8)
+    elif case == "data_align":
+        struct.pack_into("<QQ", raw, 0x30, struct.unpack_from("<Q", raw, 0x30)[0] + 8, struct.unpack_from("<Q", raw, 0x38)[0] - 8)
+    elif case == "past_eof":
+        raw = raw[: len(raw) - 100]
+    elif case == "tensor_past_blob":
+        _patch_record(raw, 0, 32, "<Q", 1 << 30)
+    elif case == "tensor_align":
+        _patch_record(raw, 1, 32, "<Q", 4096 + 8)
+    elif case == "duplicate":
+        d_off = struct.unpack_from("<Q", raw, 0x20)[0]
+        pool = d_off + struct.unpack_from("<Q", raw, d_off + 8)[0]
+        name_off = struct.unpack_from("<I", raw, _record(raw, 1))[0]
+        raw[pool + name_off : pool + name_off + 5] = b"a.f32"
+    elif case == "nbytes":
+        _patch_record(raw, 0, 40, "<Q", 56)
+    elif case == "blr_header":
+        off = struct.unpack_from("<Q", raw, _record(raw, 3) + 32)[0]
+        raw[struct.unpack_from("<Q", raw, 0x30)[0] + off] = 0
+    elif case == "dtype":
+        _patch_record(raw, 0, 6, "<B", 42)
+    elif case == "header_json":
+        raw[128] = ord("[")
+    p.write_bytes(bytes(raw))
+    with pytest.raises(NvgError) as err:
+        read_cmf(p)
+    assert message in str(err.value)
+    assert str(p) in str(err.value)
+
+
+def test_cli_inspect_and_verify(tmp_path, capsys):
+    from nvg.cli import main
+
+    p = tmp_path / "m.cmf"
+    write_cmf(p, HEADER, sample_tensors(), b"{}")
+    main(["inspect", str(p)])
+    out = capsys.readouterr().out
+    assert "d.blr" in out and "blr" in out and json.dumps(ARCH["arch_name"]) in out
+    main(["verify", str(p)])
+    assert "OK" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["verify", str(tmp_path / "missing.cmf")])
+    assert e.value.code == 2
+    assert "cannot read" in capsys.readouterr().err

