@@ -170,9 +170,9 @@ def encode_tensor(W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, bpw: floa
     d_out, d_in = W.shape
     if d_in % 8:
         raise NvgError(f"{name}: d_in {d_in} is not a multiple of 8, which BLR needs")
-    Wt = torch.from_numpy(W).to(device, torch.float64)
-    Hs = torch.from_numpy(H_sel).to(device, torch.float64)
-    H, chol = damped(torch.from_numpy(H_fit).to(device, torch.float64), s.damp)
+    Wt = torch.from_numpy(W).to(device, torch.float32)
+    Hs = torch.from_numpy(H_sel).to(device, torch.float32)
+    H, chol = damped(torch.from_numpy(H_fit).to(device, torch.float32), s.damp)
     rho = row_weights(Wt, H, role, head_dim, s.rowweight)
     best = None
     for paths in ((1, 2) if s.paths == "auto" else (int(s.paths),)):
@@ -191,12 +191,12 @@ def encode_tensor(W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, bpw: floa
                     others = sum((path_weight(factors[q]) for q in range(paths) if q != p), torch.zeros_like(Wt))
                     factors[p] = refine_path(factors[p], Wt - others, H, rho, s.iters)
         blr = codec.BlrTensor.from_factors([[x.cpu().numpy() for x in (f[0], f[2], f[1], f[3], f[4])] for f in factors])
-        What = torch.from_numpy(blr.dequantize()).to(device, torch.float64)  # as stored: f16 scales
+        What = torch.from_numpy(blr.dequantize()).to(device, torch.float32)  # as stored: f16 scales
         err = rel_error(Wt, What, Hs)
         if best is None or err < best[1]["rel_sel_error"]:
             best = (blr, {"method": s.method, "rank": r, "paths": paths, "bpw": blr.bits_per_weight,
                           "planned_bpw": bpw, "rel_sel_error": err,
-                          "rel_fit_error": rel_error(Wt, What, torch.from_numpy(H_fit).to(device, torch.float64))})
+                          "rel_fit_error": rel_error(Wt, What, torch.from_numpy(H_fit).to(device, torch.float32))})
     if best is None:
         need = codec.bits_per_weight(1, 8, d_out, d_in)
         raise NvgError(f"{name}: {bpw:.4f} bpw cannot hold even rank 8 (the minimum is {need:.4f} bpw)")

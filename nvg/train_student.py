@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -194,17 +195,18 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
             rows = list(range(order[pos] * s.batch, (order[pos] + 1) * s.batch))
             loss = d.loss(rows)
             (loss * st["gscale"]).backward()
+            loss = float(loss.detach())
             grads = [p.grad for p in d.params.values()]
             for g in grads:
                 g.div_(st["gscale"])
             gn = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
             st["epoch"], st["pos"] = epoch, pos + 1
-            if not (math.isfinite(gn) and math.isfinite(float(loss))):
+            if not (math.isfinite(gn) and math.isfinite(loss)):
                 opt.zero_grad(set_to_none=True)
                 st["skipped"] += 1
                 if s.precision == "fp16":
                     st["gscale"] = max(1.0, st["gscale"] / 2)
-                print(f"\n  non-finite step (loss {float(loss):.4f}, |g| {gn:.3e}): skipped, gscale {st['gscale']}", file=sys.stderr)
+                print(f"\n  non-finite step (loss {loss:.4f}, |g| {gn:.3e}): skipped, gscale {st['gscale']}", file=sys.stderr)
                 st["metrics"].append({"step": st["done"], "skipped": True})
                 continue
             st["done"] += 1
@@ -220,8 +222,8 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
             elapsed = time.perf_counter() - t0
             per_step = elapsed / max(1, st["done"] - done0)
             tok_s = (st["done"] - done0) * s.batch * tokens.shape[1] / max(elapsed, 1e-9)
-            st["metrics"].append({"step": st["done"], "loss": float(loss), "grad_norm": gn, "lr": lr, "tok_s": tok_s})
-            print(f"  epoch {epoch + 1} step {st['done']}/{total}  loss {float(loss):.4f}  |g| {gn:.3e}  lr {lr:.2e}  "
+            st["metrics"].append({"step": st["done"], "loss": loss, "grad_norm": gn, "lr": lr, "tok_s": tok_s})
+            print(f"  epoch {epoch + 1} step {st['done']}/{total}  loss {loss:.4f}  |g| {gn:.3e}  lr {lr:.2e}  "
                   f"{per_step:.2f} s/step  {tok_s:.0f} tok/s  ETA {per_step * (min(stop, total) - st['done']):.0f}s",
                   file=sys.stderr)
             if st["done"] % s.eval_every == 0 or st["done"] == total:
@@ -235,6 +237,7 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
                 state_dir.mkdir(parents=True, exist_ok=True)
                 with atomic_path(state_file) as tmp:
                     torch.save({**st, "params": d.snapshot(), "adam": opt.state_dict()}, tmp)
+                print(f"  state saved at step {st['done']}: {state_file}", file=sys.stderr)
     d.restore(st["best"])
     print(f"train_student: best held-out KL {st['best_kl']:.5f} at step {st['best_step']} (start {st['e0']:.5f}); "
           f"{st['skipped']} non-finite steps skipped; {st['done']} steps", file=sys.stderr)
@@ -246,6 +249,8 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
     })
     with atomic_path(metrics) as tmp:
         tmp.write_text("".join(json.dumps(m) + "\n" for m in st["metrics"]))
+    if st["done"] >= total and state_dir.exists():  # finished: the outputs now hold everything the state did
+        shutil.rmtree(state_dir)
 
 
 @exits_cleanly

@@ -1,0 +1,120 @@
+"""Budget plans, the rank rule, and the encoder: data-aware beats Dual-SVID; re-encoding keeps bytes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from nvg import blr as codec
+from nvg.budget_reencode import EncodeSettings, encode_tensor, main
+from nvg.cmf import BLR, read_cmf
+from nvg.errors import NvgError
+from nvg.gram_capture import GramSettings, main as capture
+from nvg.plan import parse_plan, read_plan
+from nvg.tokenize_windows import WindowSettings, main as make_windows
+
+NAMES = [f"model.layers.{i}.{s}.weight" for i in range(4) for s in ("self_attn.q_proj", "mlp.down_proj")]
+
+
+def test_plan_precedence():
+    plan = parse_plan("# budgets\ndefault 0.8\nlayer 0-3 1.0\nlayer 2 0.5\ntensor model.layers.*.mlp.down_proj.weight 1.5\n"
+                      "tensor model.layers.3.mlp.down_proj.weight 0.3  # later beats earlier\n")
+    plan.check_against(4, NAMES)
+    assert plan.bpw_for("model.layers.1.self_attn.q_proj.weight", 1, 9) == 1.0
+    assert plan.bpw_for("model.layers.2.self_attn.q_proj.weight", 2, 9) == 0.5
+    assert plan.bpw_for("model.layers.2.mlp.down_proj.weight", 2, 9) == 1.5
+    assert plan.bpw_for("model.layers.3.mlp.down_proj.weight", 3, 9) == 0.3
+    assert parse_plan("layer 1 2.0").bpw_for("x", 0, 0.7) == 0.7
+    assert read_plan(None, 0.9).bpw_for("x", 0, 0.1) == 0.9
+
+
+@pytest.mark.parametrize("text, message", [
+    ("default 0.8\nlayer x 1.0", "line 2: layer 'x' is not"),
+    ("default abc", "line 1: bits per weight 'abc' is not a number"),
+    ("\n\nlayer 3-1 1.0", "line 3: layer range '3-1' is empty"),
+    ("default -1", "line 1: bits per weight -1.0 must be in"),
+    ("bits 1.0", "line 1: expected 'default <bpw>'"),
+])
+def test_plan_syntax_errors_have_line_numbers(text, message):
+    with pytest.raises(NvgError, match=message):
+        parse_plan(text, "plan.txt")
+
+
+def test_plan_errors_against_the_model():
+    with pytest.raises(NvgError, match="line 2: layer 9 is out of range"):
+        parse_plan("default 1\nlayer 5-9 1.0", "p").check_against(4, NAMES)
+    with pytest.raises(NvgError, match="line 1: tensor rule 'model.layers.0.mlp.up_proj.weight' matches no"):
+        parse_plan("tensor model.layers.0.mlp.up_proj.weight 1.0", "p").check_against(4, NAMES)
+
+
+def correlated_problem(seed=0, d_out=96, d_in=128, tokens=2048):
+    """A weight and Grams of inputs with a strongly non-isotropic covariance, as in a real model."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d_in, d_in, generator=g) * torch.logspace(0, -2, d_in)
+    x = torch.randn(tokens, d_in, generator=g) @ mix.T
+    w = torch.randn(d_out, d_in, generator=g) / d_in**0.5
+    h_fit = (x[: tokens // 2].T @ x[: tokens // 2]).numpy()
+    h_sel = (x[tokens // 2 :].T @ x[tokens // 2 :]).numpy()
+    return w.numpy(), h_fit, h_sel
+
+
+@pytest.mark.parametrize("bpw", [1.0, 2.0])
+def test_data_aware_encoder_beats_dual_svid(bpw):
+    w, h_fit, h_sel = correlated_problem()
+    errs = {}
+    for method in ("dual-svid", "nvg"):
+        blr, row = encode_tensor(w, h_fit, h_sel, bpw, "up", 16, EncodeSettings(method=method, device="cpu"), torch.device("cpu"), "t")
+        assert row["bpw"] <= bpw and row["rank"] % 8 == 0
+        assert len(blr.encode()) == codec.payload_nbytes(row["paths"], row["rank"], 96, 128)
+        errs[method] = row["rel_sel_error"]
+    assert errs["nvg"] < 0.7 * errs["dual-svid"]
+
+
+def test_a_budget_below_rank_8_names_the_minimum():
+    w, h_fit, h_sel = correlated_problem()
+    with pytest.raises(NvgError, match=r"t: 0.1000 bpw cannot hold even rank 8 \(the minimum is"):
+        encode_tensor(w, h_fit, h_sel, 0.1, "up", 16, EncodeSettings(paths="1"), torch.device("cpu"), "t")
+
+
+@pytest.fixture(scope="module")
+def encoded(tiny_cmf, tiny_corpus, tmp_path_factory):
+    d = tmp_path_factory.mktemp("enc")
+    make_windows(tiny_cmf, d / "w.h5", WindowSettings(sources=[{"path": str(tiny_corpus / "story.txt")}],
+                                                      tokens=1024, window=32, eval_windows=4))
+    capture(tiny_cmf, d / "w.h5", d / "grams.h5", GramSettings(fit_windows=16, sel_windows=8))
+    main(tiny_cmf, d / "grams.h5", d / "enc.cmf", d / "enc.json", EncodeSettings(bpw=2.0, device="cpu"))
+    return d
+
+
+def test_encode_report_and_student_file(encoded, tiny_cmf):
+    report = json.loads((encoded / "enc.json").read_text())
+    assert len(report["tensors"]) == 14 and report["body_bpw"] <= 2.0
+    for row in report["tensors"].values():
+        assert {"method", "rank", "paths", "bpw", "rel_sel_error"} <= set(row)
+    student, teacher = read_cmf(encoded / "enc.cmf"), read_cmf(tiny_cmf)
+    assert sum(t.dtype == BLR for t in student.tensors.values()) == 14
+    assert bytes(student.tensors["model.norm.weight"].data) == bytes(teacher.tensors["model.norm.weight"].data)
+    assert student.vocab == teacher.vocab
+
+
+def test_reencode_changes_only_planned_tensors(encoded, tiny_cmf):
+    plan = encoded / "plan.txt"
+    plan.write_text("default 2.0\ntensor model.layers.1.mlp.down_proj.weight 3.0\n")
+    main(tiny_cmf, encoded / "grams.h5", encoded / "re.cmf", encoded / "re.json", EncodeSettings(bpw=2.0, device="cpu"),
+         plan_path=plan, student=encoded / "enc.cmf")
+    old, new = read_cmf(encoded / "enc.cmf"), read_cmf(encoded / "re.cmf")
+    changed = [n for n in old.tensors if bytes(old.tensors[n].data) != bytes(new.tensors[n].data)]
+    assert changed == ["model.layers.1.mlp.down_proj.weight"]
+    assert codec.parse_header(bytes(new.tensors[changed[0]].data[:16])).rank > codec.parse_header(bytes(old.tensors[changed[0]].data[:16])).rank
+
+
+def test_plan_error_comes_before_any_model_is_read(tmp_path):
+    plan = tmp_path / "plan.txt"
+    plan.write_text("default 1.0\nlayer one 2.0\n")
+    with pytest.raises(NvgError, match="plan.txt: line 2"):
+        main(tmp_path / "missing-teacher.cmf", tmp_path / "g.h5", tmp_path / "o.cmf", tmp_path / "o.json",
+             EncodeSettings(), plan_path=plan)
+    assert not (tmp_path / "o.cmf").exists()

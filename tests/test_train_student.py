@@ -1,0 +1,106 @@
+"""Student training: schedule, trainable set, KL goes down, best snapshot, bit-identical resume, export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nvg.budget_reencode import EncodeSettings, main as encode
+from nvg.cmf import BLR, read_cmf, verify
+from nvg.errors import NvgError
+from nvg.gram_capture import GramSettings, main as capture
+from nvg.model import load_model
+from nvg.settings import from_json
+from nvg.teacher_topk import TopkSettings, main as topk
+from nvg.tokenize_windows import WindowSettings, main as make_windows
+from nvg.train_student import TrainSettings, lr_shape, main, trainable
+
+
+def test_schedule_warms_up_then_cosines_to_zero():
+    total = 100
+    assert lr_shape(1, total) == 0.5 and lr_shape(2, total) == 1.0
+    assert lr_shape(51, total) == pytest.approx(0.5, abs=0.02)
+    assert lr_shape(100, total) == pytest.approx(0.0, abs=1e-12)
+    assert lr_shape(1, 10) == 1.0  # warm-up is max(1, steps/50)
+
+
+@pytest.fixture(scope="module")
+def stage_inputs(tiny_cmf, tiny_corpus, tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    make_windows(tiny_cmf, d / "w.h5", WindowSettings(sources=[{"path": str(tiny_corpus / "story.txt")}],
+                                                      tokens=1536, window=32, eval_windows=8))
+    topk(tiny_cmf, d / "w.h5", 0, d / "topk.0.h5", TopkSettings(k=8, batch=8))
+    capture(tiny_cmf, d / "w.h5", d / "g.h5", GramSettings(fit_windows=16, sel_windows=8))
+    encode(tiny_cmf, d / "g.h5", d / "s.cmf", d / "s.json", EncodeSettings(bpw=2.0, device="cpu"))
+    return d
+
+
+def train(d, name, **kw):
+    s = TrainSettings(**{"epochs": 2, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2,
+                         "state_root": str(d / f"state-{name}"), **kw})
+    main(d / "s.cmf", d / "w.h5", [d / "topk.0.h5"], "tiny", d / f"{name}.cmf", d / f"{name}.jsonl", s)
+    return read_cmf(d / f"{name}.cmf")
+
+
+def test_only_scales_and_norm_gains_train(stage_inputs):
+    names = sorted(trainable(load_model(stage_inputs / "s.cmf")))
+    assert names and all(n.endswith((".h", ".ell", ".g", "norm.weight")) for n in names)
+    assert not any("embed" in n for n in names)
+
+
+def test_training_lowers_heldout_kl_and_keeps_the_layout(stage_inputs):
+    out = train(stage_inputs, "plain")
+    block = out.header["provenance"]["nvg_train"]
+    assert block["heldout_kl_best"] < block["heldout_kl_start"]
+    assert block["steps"] == 2 * (1536 // 32 // 8) and block["evals"][0]["step"] == 0
+    student = read_cmf(stage_inputs / "s.cmf")
+    assert [(t.name, t.dtype, t.shape, len(t.data)) for t in student.tensors.values()] == \
+           [(t.name, t.dtype, t.shape, len(t.data)) for t in out.tensors.values()]
+    blr = [n for n, t in out.tensors.items() if t.dtype == BLR]
+    assert any(bytes(out.tensors[n].data) != bytes(student.tensors[n].data) for n in blr)
+    # only scale bytes change: each payload's sign bits are the student's
+    from nvg import blr as codec
+    for n in blr:
+        a, b = codec.decode(bytes(student.tensors[n].data)), codec.decode(bytes(out.tensors[n].data))
+        assert all((pa.u_bits == pb.u_bits).all() and (pa.v_bits == pb.v_bits).all() for pa, pb in zip(a.paths, b.paths))
+    assert verify(stage_inputs / "plain.cmf") == []
+    lines = [json.loads(x) for x in (stage_inputs / "plain.jsonl").read_text().splitlines()]
+    assert any("loss" in x and "grad_norm" in x and "tok_s" in x for x in lines)
+    assert not (stage_inputs / "state-plain").exists() or not any((stage_inputs / "state-plain").iterdir())
+
+
+def test_resume_after_a_stop_is_bit_identical(stage_inputs):
+    whole = train(stage_inputs, "uninterrupted").path.read_bytes()
+    train(stage_inputs, "resumed", stop_after=5)  # state saved at step 4; the run ends at 5
+    states = list((stage_inputs / "state-resumed").glob("*/state.pt"))
+    assert len(states) == 1 and torch.load(states[0], weights_only=False)["done"] == 4
+    resumed = train(stage_inputs, "resumed")  # same settings: resumes from step 4
+    assert resumed.path.read_bytes() == whole
+
+
+def test_a_changed_setting_never_resumes_stale_state(stage_inputs):
+    train(stage_inputs, "stale", stop_after=3)
+    out = train(stage_inputs, "stale", lr=0.02)
+    assert out.header["provenance"]["nvg_train"]["evals"][0]["step"] == 0
+    assert out.header["provenance"]["nvg_train"]["lr"] == 0.02
+    assert len(list((stage_inputs / "state-stale").iterdir())) == 1  # the lr=0.01 state is left alone
+
+
+def test_fp16_and_tail_modes_run(stage_inputs):
+    out = train(stage_inputs, "fp16tail", precision="fp16", tail=True, epochs=1)
+    block = out.header["provenance"]["nvg_train"]
+    assert block["tail"] is True and block["precision"] == "fp16"
+    assert block["heldout_kl_best"] <= block["heldout_kl_start"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"lr": 0}', "train.lr: must be > 0"),
+    ('{"precision": "int8"}', "train.precision"),
+    ('{"epochs": 1.5}', "train.epochs: expected int"),
+    ('{"stop_after": 0}', "train.stop_after"),
+])
+def test_bad_settings(text, message):
+    with pytest.raises(NvgError, match=message):
+        from_json(TrainSettings, text, "train")
