@@ -86,7 +86,10 @@ def test_whole_dag_produces_a_verified_model(finished_run):
     report = json.loads((workdir / "results/eval.json").read_text())
     h = report["heldout"]
     assert h["final"]["kl_topk"] < h["encoded"]["kl_topk"]
-    assert 0 < report["files"]["final"]["body_bpw"] <= 2.0
+    assert 0 < report["files"]["encoded"]["body_bpw"] <= 2.0
+    encoded = read_cmf(workdir / "results/student/encoded.cmf")
+    payload = lambda c: sum(len(t.data) for t in c.tensors.values())  # noqa: E731
+    assert payload(cmf) < payload(encoded)  # the cut removed MLP neurons
     assert "ood" in report and report["ood"]["teacher"]["perplexity"] > 1
     for stage in ("train_student", "teacher_topk.0", "budget_reencode"):
         assert (workdir / f"benchmarks/{stage}.tsv").exists()
@@ -144,3 +147,33 @@ def test_lint_is_clean():
     out = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--snakefile", str(REPO / "Snakefile"),
                           "--directory", str(REPO)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_sigkilled_training_resumes_to_a_byte_identical_model(tiny_hf, tiny_corpus, tmp_path):
+    """SIGKILL the snakemake process group mid-training; the README's rerun command finishes from the state."""
+    import os
+    import signal
+    import time
+
+    config = tiny_config(tiny_hf, tiny_corpus)
+    config["dtgma"]["keep"] = None
+    config["train"].update(epochs=30, state_every=10, eval_every=40)
+    snakemake(tmp_path, config)
+    uninterrupted = (tmp_path / "results/model.cmf").read_bytes()
+    log = tmp_path / "logs/train_student.log"
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+           "--configfile", str(tmp_path / "config.yaml"), "--cores", "2", "--forcerun", "train_student"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if log.exists() and re.search(r"state saved at step [2-9]0:", log.read_text()):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "training finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "results/train/trained.cmf").exists()  # snakemake removed the outputs of the killed job
+    snakemake(tmp_path, config, "--unlock")
+    snakemake(tmp_path, config, "--rerun-incomplete")
+    assert re.search(r"resumed .* at step [2-9]0", log.read_text())
+    assert (tmp_path / "results/model.cmf").read_bytes() == uninterrupted
