@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from nvg.cmf import read_cmf
+from nvg.cmf import read_cmf, verify
 from nvg.import_teacher import main as import_teacher
 from nvg.model import load_model
 
@@ -82,6 +82,8 @@ def test_real_smollm2_parity_and_tokenizer(real_teacher_cmf):
     assert cmf.header["tokenizer_config"]["eos_token_ids"] == [2]
     assert "chat_template" in cmf.header["tokenizer_config"]
     assert json.loads(cmf.vocab)["model"]["type"] == "BPE"
+    assert verify(real_teacher_cmf) == []
+    assert len(cmf.tensors) == 272 and cmf.header["arch"]["num_layers"] == 30
     ids = torch.tensor([want[:32]])
     with torch.no_grad():
         ours = load_model(cmf)(ids)

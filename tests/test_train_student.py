@@ -104,3 +104,25 @@ def test_fp16_and_tail_modes_run(stage_inputs):
 def test_bad_settings(text, message):
     with pytest.raises(NvgError, match=message):
         from_json(TrainSettings, text, "train")
+
+
+def test_a_non_finite_step_is_skipped_counted_and_logged(stage_inputs):
+    import shutil
+
+    import h5py
+    import numpy as np
+
+    d = stage_inputs
+    shutil.copy(d / "topk.0.h5", d / "topk-nan.h5")
+    with h5py.File(d / "topk-nan.h5", "r+") as f:
+        logp = f["logp"][0]
+        logp[5] = np.nan  # one poisoned token in training window 0: its batch gives a NaN loss
+        f["logp"][0] = logp
+    s = TrainSettings(epochs=2, batch=8, lr=0.01, eval_every=100, state_every=0, precision="fp16",
+                      state_root=str(d / "state-nan"))
+    main(d / "s.cmf", d / "w.h5", [d / "topk-nan.h5"], "tiny", d / "nan.cmf", d / "nan.jsonl", s)
+    block = read_cmf(d / "nan.cmf").header["provenance"]["nvg_train"]
+    assert block["skipped"] == 2 and block["steps"] == 2 * (1536 // 32 // 8) - 2
+    assert any(json.loads(x).get("skipped") for x in (d / "nan.jsonl").read_text().splitlines())
+    model = load_model(d / "nan.cmf")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
