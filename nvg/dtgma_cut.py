@@ -24,12 +24,9 @@ import numpy as np
 import torch
 
 from nvg import blr as codec
-from nvg.cmf import BLR, Tensor, dense_tensor, read_cmf, tensor_to_numpy, write_cmf
+from nvg.cmf import BLR, Tensor, dense_tensor, tensor_to_numpy, write_cmf
 from nvg.errors import exits_cleanly
-from nvg.model import load_model, pick_device
 from nvg.settings import check, from_json
-from nvg.teacher_topk import read_topk
-from nvg.tokenize_windows import read_windows
 from nvg.train_student import Distiller, TrainSettings
 
 
@@ -95,13 +92,8 @@ def cut_tensor(t: Tensor, keep: np.ndarray, rows: bool) -> Tensor:
 
 def main(student: Path, windows: Path, topk: list[Path], out: Path, s: DtgmaSettings) -> None:
     torch.manual_seed(s.seed)
-    tokens, attrs = read_windows(windows)
-    n_train = int(attrs["n_train"])
-    t_ids, t_logp = read_topk(topk, len(tokens))
-    device = pick_device(s.device)
-    s_cmf = read_cmf(student)
-    model = load_model(s_cmf, device)
-    d = Distiller(model, tokens, t_ids, t_logp, n_train, TrainSettings(batch=s.batch, precision=s.precision, device=s.device), device)
+    d, s_cmf = Distiller.from_files(student, windows, topk, TrainSettings(batch=s.batch, precision=s.precision, device=s.device))
+    model, n_train, device = d.model, d.n_train, d.device
     for p in model.parameters():
         p.requires_grad_(False)
     layers = model.model.layers

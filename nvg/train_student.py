@@ -103,6 +103,15 @@ class Distiller:
         self.n_train = n_train
         self.params = trainable(model)
 
+    @classmethod
+    def from_files(cls, student: Path, windows: Path, topk: list[Path], settings: TrainSettings):
+        """(Distiller, student CMF): the student on its device, the windows and the teacher's top-k."""
+        tokens, attrs = read_windows(windows)
+        t_ids, t_logp = read_topk(topk, len(tokens))
+        device = pick_device(settings.device)
+        s_cmf = read_cmf(student)
+        return cls(load_model(s_cmf, device), tokens, t_ids, t_logp, int(attrs["n_train"]), settings, device), s_cmf
+
     def batch(self, rows):
         pick = lambda a: torch.from_numpy(a[rows]).to(self.device)  # noqa: E731
         return pick(self.tokens), pick(self.t_ids), pick(self.t_logp)
@@ -154,13 +163,8 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
          settings: TrainSettings) -> None:
     s = settings
     torch.manual_seed(s.seed)
-    tokens, attrs = read_windows(windows)
-    n_train = int(attrs["n_train"])
-    t_ids, t_logp = read_topk(topk, len(tokens))
-    device = pick_device(s.device)
-    s_cmf = read_cmf(student)
-    model = load_model(s_cmf, device)
-    d = Distiller(model, tokens, t_ids, t_logp, n_train, s, device)
+    d, s_cmf = Distiller.from_files(student, windows, topk, s)
+    model, tokens, n_train, device = d.model, d.tokens, d.n_train, d.device
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
     n_batches = n_train // s.batch
@@ -243,7 +247,7 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
           f"{st['skipped']} non-finite steps skipped; {st['done']} steps", file=sys.stderr)
     export_student(s_cmf, model, out, {
         "teacher": teacher_name, "tokens": st["tokens_seen"], "window": int(tokens.shape[1]), "batch": s.batch,
-        "lr": s.lr, "topk": int(t_ids.shape[-1]), "steps": st["done"], "best_step": st["best_step"],
+        "lr": s.lr, "topk": int(d.t_ids.shape[-1]), "steps": st["done"], "best_step": st["best_step"],
         "heldout_kl_start": st["e0"], "heldout_kl_best": st["best_kl"], "skipped": st["skipped"],
         "tail": s.tail, "precision": s.precision, "evals": st["evals"],
     })
