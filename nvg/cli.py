@@ -2,6 +2,8 @@
 
     nvg inspect FILE.cmf      header, tensors, dtypes, shapes, bits per weight
     nvg verify FILE.cmf       every hash; exit 1 on any mismatch
+    nvg export-hf FILE OUT/   a dense Hugging Face folder (config, safetensors, tokenizer)
+    nvg generate FILE PROMPT  text from any CMF, greedy or sampled, --chat for the chat template
     nvg <stage> ...           the same as `python -m nvg.<stage> ...`
 """
 
@@ -16,6 +18,7 @@ from nvg.cmf import BLR, DTYPE_NAMES, read_cmf, verify
 from nvg.errors import exits_cleanly
 from nvg.model import parse_body_linear
 
+TOOLS = ["export_hf", "generate"]  # modules with their own CLI, run as `nvg export-hf …`, `nvg generate …`
 STAGES = ["import_teacher", "tokenize_windows", "teacher_topk", "gram_capture", "budget_reencode",
           "dtgma_cut", "train_student", "export", "evaluate"]
 
@@ -53,7 +56,7 @@ def inspect(path: str) -> None:
 @exits_cleanly
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0].replace("-", "_") in STAGES:
+    if argv and argv[0].replace("-", "_") in STAGES + TOOLS:
         importlib.import_module(f"nvg.{argv[0].replace('-', '_')}").cli(argv[1:])
         return
     ap = argparse.ArgumentParser(prog="nvg", description=__doc__.splitlines()[0])
@@ -62,6 +65,8 @@ def main(argv=None) -> None:
     sub.add_parser("verify", help="check every hash of a CMF").add_argument("file")
     for s in STAGES:
         sub.add_parser(s.replace("_", "-"), help=f"pipeline stage {s} (python -m nvg.{s})")
+    sub.add_parser("export-hf", help="a dense Hugging Face folder from a CMF")
+    sub.add_parser("generate", help="text from a CMF, greedy or sampled")
     a = ap.parse_args(argv)
     if a.cmd == "inspect":
         inspect(a.file)

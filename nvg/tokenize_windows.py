@@ -57,13 +57,13 @@ class ChatRenderer:
     def __init__(self, template: str | None, source):
         self.template, self.source = template, source
 
-    def __call__(self, messages) -> str:
+    def __call__(self, messages, add_generation_prompt: bool = False) -> str:
         if not self.template:
             raise NvgError(f"{self.source}: chat messages found but the teacher has no chat_template")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.template).render(messages=messages, add_generation_prompt=False)
+        return env.from_string(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt)
 
 
 def source_files(spec: str) -> list[Path]:

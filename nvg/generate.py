@@ -1,0 +1,87 @@
+"""`nvg generate FILE.cmf "prompt"`: text from any CMF (teacher or BLR student), greedy or sampled.
+
+    nvg generate results/model.cmf "Once upon a time" --max-new-tokens 40
+    nvg generate results/teacher.cmf "Who wrote Hamlet?" --chat --temperature 0.7 --seed 1
+
+`--chat` wraps the prompt as one user message in the model's chat template (from the CMF header).
+The whole sequence is recomputed for each new token (no KV cache): meant for looking at a model, not serving it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from nvg.cmf import read_cmf
+from nvg.errors import NvgError, exits_cleanly
+from nvg.model import autocast, load_model, pick_device
+from nvg.tokenize_windows import ChatRenderer
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: float, stop_ids: set[int],
+             seed: int, device) -> list[int]:
+    """New token ids after `prompt_ids`: argmax when temperature is 0, else softmax(logits / temperature) samples."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = list(prompt_ids)
+    limit = model.cfg.max_position_embeddings
+    for _ in range(max_new_tokens):
+        if len(ids) >= limit:
+            break
+        with autocast(device, "bf16"):
+            h = model.hidden(torch.tensor([ids], device=device))[:, -1]
+            logits = (h @ model.head_weight.to(h.dtype).T).float().cpu()[0]
+        if temperature <= 0:
+            nxt = int(logits.argmax())
+        else:
+            nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
+        ids.append(nxt)
+        if nxt in stop_ids:
+            break
+    return ids[len(prompt_ids):]
+
+
+def prompt_ids(cmf, tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The prompt's token ids; with `chat`, one user message rendered with the model's template."""
+    if chat:
+        template = cmf.header.get("tokenizer_config", {}).get("chat_template")
+        prompt = ChatRenderer(template, cmf.path)([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(prompt, add_special_tokens=False).ids
+
+
+def main(source: Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, chat: bool = False,
+         seed: int = 0, device: str = "auto") -> str:
+    from tokenizers import Tokenizer
+
+    cmf = read_cmf(source)
+    if not cmf.vocab:
+        raise NvgError(f"{source}: vocab section is empty: no tokenizer to generate with")
+    tok = Tokenizer.from_str(cmf.vocab.decode("utf-8"))
+    tok_cfg = cmf.header.get("tokenizer_config", {})
+    dev = pick_device(device)
+    model = load_model(cmf, dev)
+    new = generate(model, prompt_ids(cmf, tok, prompt, chat), max_new_tokens, temperature,
+                   set(tok_cfg.get("eos_token_ids", [])), seed, dev)
+    return tok.decode(new, skip_special_tokens=True)
+
+
+@exits_cleanly
+def cli(argv=None):
+    ap = argparse.ArgumentParser(prog="nvg generate", description=__doc__.splitlines()[0])
+    ap.add_argument("file", type=Path)
+    ap.add_argument("prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto")
+    a = ap.parse_args(argv)
+    out = main(a.file, a.prompt, a.max_new_tokens, a.temperature, a.chat, a.seed, a.device)
+    sys.stdout.write(out + "\n")
+
+
+if __name__ == "__main__":
+    cli()
