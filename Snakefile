@@ -19,10 +19,12 @@ include: "workflow/rules/dtgma_cut.smk"
 include: "workflow/rules/train_student.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
     input:
         "results/model.cmf",
         "results/eval.json",
+        "results/report.html",
     default_target: True

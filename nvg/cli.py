@@ -20,7 +20,7 @@ from nvg.model import parse_body_linear
 
 TOOLS = ["export_hf", "generate"]  # modules with their own CLI, run as `nvg export-hf …`, `nvg generate …`
 STAGES = ["import_teacher", "tokenize_windows", "teacher_topk", "gram_capture", "budget_reencode",
-          "dtgma_cut", "train_student", "export", "evaluate"]
+          "dtgma_cut", "train_student", "export", "evaluate", "report"]
 
 
 def bits_summary(cmf) -> dict:

@@ -19,7 +19,7 @@ from nvg.cmf import read_cmf, verify
 from tests.conftest import REPO
 
 ALL_STAGES = {"tokenize_windows", "teacher_topk", "gram_capture", "budget_reencode", "dtgma_cut",
-              "train_student", "export", "evaluate"}
+              "train_student", "export", "evaluate", "report"}
 
 
 def tiny_config(teacher: Path, corpus: Path) -> dict:
@@ -96,16 +96,27 @@ def test_whole_dag_produces_a_verified_model(finished_run):
     assert "held-out KL" in (workdir / "logs/train_student.log").read_text()
 
 
+def test_report_has_every_plot_and_the_numbers(finished_run):
+    workdir, _ = finished_run
+    page = (workdir / "results/report.html").read_text()
+    report = json.loads((workdir / "results/eval.json").read_text())
+    assert page.count('src="data:image/png;base64,') == 4
+    for title in ("Perplexity before and after training", "Training", "Bits per weight per layer", "Encoder error per layer"):
+        assert f"<h2>{title}</h2>" in page
+    assert f"{report['heldout']['final']['perplexity']:.3f}" in page
+    assert f"{report['files']['final']['body_bpw']:.4f}" in page
+
+
 def test_nothing_changed_runs_nothing(finished_run):
     workdir, config = finished_run
     assert planned_jobs(workdir, config) == set()
 
 
 @pytest.mark.parametrize("change, expected", [
-    (("train", "lr", 0.004), {"train_student", "export", "evaluate"}),
-    (("teacher_topk", "k", 6), {"teacher_topk", "dtgma_cut", "train_student", "export", "evaluate"}),
-    (("encode", "bpw", 1.5), {"budget_reencode", "dtgma_cut", "train_student", "export", "evaluate"}),
-    (("evaluate", "batch", 4), {"evaluate"}),
+    (("train", "lr", 0.004), {"train_student", "export", "evaluate", "report"}),
+    (("teacher_topk", "k", 6), {"teacher_topk", "dtgma_cut", "train_student", "export", "evaluate", "report"}),
+    (("encode", "bpw", 1.5), {"budget_reencode", "dtgma_cut", "train_student", "export", "evaluate", "report"}),
+    (("evaluate", "batch", 4), {"evaluate", "report"}),
     (("data", "sources", "first-weight"), ALL_STAGES),
 ])
 def test_a_setting_reruns_exactly_what_it_invalidates(finished_run, change, expected):
@@ -126,7 +137,7 @@ def test_a_real_rerun_after_changing_the_learning_rate(finished_run):
     before = (workdir / "results/student/encoded.cmf").stat().st_mtime_ns
     out = snakemake(workdir, changed)
     ran = set(re.findall(r"rule (\w+):", out.stdout + out.stderr)) - {"all"}
-    assert ran == {"train_student", "export", "evaluate"}
+    assert ran == {"train_student", "export", "evaluate", "report"}
     assert (workdir / "results/student/encoded.cmf").stat().st_mtime_ns == before
     prov = read_cmf(workdir / "results/model.cmf").header["provenance"]
     assert prov["nvg_train"]["lr"] == 0.003

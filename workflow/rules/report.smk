@@ -1,0 +1,19 @@
+# One HTML page a person would rather look at than read: results/report.html.
+rule report:
+    input:
+        evaluation="results/eval.json",
+        encode="results/student/encode.json",
+        metrics="results/train/metrics.jsonl",
+        code=nvg_sources("report"),
+    output:
+        html="results/report.html",
+    conda:
+        "../envs/nvg.yaml"
+    log:
+        "logs/report.log",
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "python -m nvg.report --eval {input.evaluation} --encode {input.encode} --metrics {input.metrics} "
+        "--out {output.html} > {log} 2>&1"
