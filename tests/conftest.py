@@ -96,3 +96,21 @@ def real_teacher_cmf(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("real") / "teacher.cmf"
     main(REAL_TEACHER, out, "f16")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_stages(tiny_cmf, tiny_corpus, tmp_path_factory) -> Path:
+    """The tiny teacher's stage outputs: windows.h5 (1536 + 8 × 32 tokens), topk.0.h5 (k 8), grams.h5 and the
+    encoded 2-bpw student student.cmf / student.json, made by the step modules themselves."""
+    from nvg.budget_reencode import EncodeSettings, main as encode
+    from nvg.gram_capture import GramSettings, main as capture
+    from nvg.teacher_topk import TopkSettings, main as topk
+    from nvg.tokenize_windows import WindowSettings, main as make_windows
+
+    d = tmp_path_factory.mktemp("stages")
+    make_windows(tiny_cmf, d / "windows.h5", WindowSettings(sources=[{"path": str(tiny_corpus / "story.txt")}],
+                                                            tokens=1536, window=32, eval_windows=8))
+    topk(tiny_cmf, d / "windows.h5", 0, d / "topk.0.h5", TopkSettings(k=8, batch=8))
+    capture(tiny_cmf, d / "windows.h5", d / "grams.h5", GramSettings(fit_windows=16, sel_windows=8))
+    encode(tiny_cmf, d / "grams.h5", d / "student.cmf", d / "student.json", EncodeSettings(bpw=2.0, device="cpu"))
+    return d

@@ -11,9 +11,7 @@ from nvg import blr as codec
 from nvg.budget_reencode import EncodeSettings, encode_tensor, main
 from nvg.cmf import BLR, read_cmf
 from nvg.errors import NvgError
-from nvg.gram_capture import GramSettings, main as capture
 from nvg.plan import parse_plan, read_plan
-from nvg.tokenize_windows import WindowSettings, main as make_windows
 
 NAMES = [f"model.layers.{i}.{s}.weight" for i in range(4) for s in ("self_attn.q_proj", "mlp.down_proj")]
 
@@ -79,12 +77,13 @@ def test_a_budget_below_rank_8_names_the_minimum():
 
 
 @pytest.fixture(scope="module")
-def encoded(tiny_cmf, tiny_corpus, tmp_path_factory):
+def encoded(tiny_stages, tmp_path_factory):
+    import shutil
+
     d = tmp_path_factory.mktemp("enc")
-    make_windows(tiny_cmf, d / "w.h5", WindowSettings(sources=[{"path": str(tiny_corpus / "story.txt")}],
-                                                      tokens=1024, window=32, eval_windows=4))
-    capture(tiny_cmf, d / "w.h5", d / "grams.h5", GramSettings(fit_windows=16, sel_windows=8))
-    main(tiny_cmf, d / "grams.h5", d / "enc.cmf", d / "enc.json", EncodeSettings(bpw=2.0, device="cpu"))
+    shutil.copy(tiny_stages / "grams.h5", d / "grams.h5")
+    shutil.copy(tiny_stages / "student.cmf", d / "enc.cmf")
+    shutil.copy(tiny_stages / "student.json", d / "enc.json")
     return d
 
 

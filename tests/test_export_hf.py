@@ -6,23 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from nvg.budget_reencode import EncodeSettings, main as encode
 from nvg.cmf import read_cmf, write_cmf
 from nvg.dtgma_cut import cut_tensor
 from nvg.export_hf import main as export_hf
-from nvg.gram_capture import GramSettings, main as capture
 from nvg.model import load_model
-from nvg.tokenize_windows import WindowSettings, main as make_windows
 
 
 @pytest.fixture(scope="module")
-def blr_student(tiny_cmf, tiny_corpus, tmp_path_factory):
-    d = tmp_path_factory.mktemp("export")
-    make_windows(tiny_cmf, d / "w.h5", WindowSettings(sources=[{"path": str(tiny_corpus / "story.txt")}],
-                                                      tokens=1024, window=32, eval_windows=4))
-    capture(tiny_cmf, d / "w.h5", d / "g.h5", GramSettings(fit_windows=16, sel_windows=8))
-    encode(tiny_cmf, d / "g.h5", d / "s.cmf", d / "s.json", EncodeSettings(bpw=2.0, device="cpu"))
-    return d / "s.cmf"
+def blr_student(tiny_stages):
+    return tiny_stages / "student.cmf"
 
 
 def hf_logits(folder, ids):

@@ -7,14 +7,10 @@ import json
 import pytest
 import torch
 
-from nvg.budget_reencode import EncodeSettings, main as encode
 from nvg.cmf import BLR, read_cmf, verify
 from nvg.errors import NvgError
-from nvg.gram_capture import GramSettings, main as capture
 from nvg.model import load_model
 from nvg.settings import from_json
-from nvg.teacher_topk import TopkSettings, main as topk
-from nvg.tokenize_windows import WindowSettings, main as make_windows
 from nvg.train_student import TrainSettings, lr_shape, main, trainable
 
 
@@ -27,25 +23,25 @@ def test_schedule_warms_up_then_cosines_to_zero():
 
 
 @pytest.fixture(scope="module")
-def stage_inputs(tiny_cmf, tiny_corpus, tmp_path_factory):
+def stage_inputs(tiny_stages, tmp_path_factory):
+    """A private copy of the stage outputs: these tests write their runs beside them."""
+    import shutil
+
     d = tmp_path_factory.mktemp("train")
-    make_windows(tiny_cmf, d / "w.h5", WindowSettings(sources=[{"path": str(tiny_corpus / "story.txt")}],
-                                                      tokens=1536, window=32, eval_windows=8))
-    topk(tiny_cmf, d / "w.h5", 0, d / "topk.0.h5", TopkSettings(k=8, batch=8))
-    capture(tiny_cmf, d / "w.h5", d / "g.h5", GramSettings(fit_windows=16, sel_windows=8))
-    encode(tiny_cmf, d / "g.h5", d / "s.cmf", d / "s.json", EncodeSettings(bpw=2.0, device="cpu"))
+    for name in ("windows.h5", "topk.0.h5", "student.cmf"):
+        shutil.copy(tiny_stages / name, d / name)
     return d
 
 
 def train(d, name, **kw):
     s = TrainSettings(**{"epochs": 2, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2,
                          "state_root": str(d / f"state-{name}"), **kw})
-    main(d / "s.cmf", d / "w.h5", [d / "topk.0.h5"], "tiny", d / f"{name}.cmf", d / f"{name}.jsonl", s)
+    main(d / "student.cmf", d / "windows.h5", [d / "topk.0.h5"], "tiny", d / f"{name}.cmf", d / f"{name}.jsonl", s)
     return read_cmf(d / f"{name}.cmf")
 
 
 def test_only_scales_and_norm_gains_train(stage_inputs):
-    names = sorted(trainable(load_model(stage_inputs / "s.cmf")))
+    names = sorted(trainable(load_model(stage_inputs / "student.cmf")))
     assert names and all(n.endswith((".h", ".ell", ".g", "norm.weight")) for n in names)
     assert not any("embed" in n for n in names)
 
@@ -55,7 +51,7 @@ def test_training_lowers_heldout_kl_and_keeps_the_layout(stage_inputs):
     block = out.header["provenance"]["nvg_train"]
     assert block["heldout_kl_best"] < block["heldout_kl_start"]
     assert block["steps"] == 2 * (1536 // 32 // 8) and block["evals"][0]["step"] == 0
-    student = read_cmf(stage_inputs / "s.cmf")
+    student = read_cmf(stage_inputs / "student.cmf")
     assert [(t.name, t.dtype, t.shape, len(t.data)) for t in student.tensors.values()] == \
            [(t.name, t.dtype, t.shape, len(t.data)) for t in out.tensors.values()]
     blr = [n for n, t in out.tensors.items() if t.dtype == BLR]
@@ -120,7 +116,7 @@ def test_a_non_finite_step_is_skipped_counted_and_logged(stage_inputs):
         f["logp"][0] = logp
     s = TrainSettings(epochs=2, batch=8, lr=0.01, eval_every=100, state_every=0, precision="fp16",
                       state_root=str(d / "state-nan"))
-    main(d / "s.cmf", d / "w.h5", [d / "topk-nan.h5"], "tiny", d / "nan.cmf", d / "nan.jsonl", s)
+    main(d / "student.cmf", d / "windows.h5", [d / "topk-nan.h5"], "tiny", d / "nan.cmf", d / "nan.jsonl", s)
     block = read_cmf(d / "nan.cmf").header["provenance"]["nvg_train"]
     assert block["skipped"] == 2 and block["steps"] == 2 * (1536 // 32 // 8) - 2
     assert any(json.loads(x).get("skipped") for x in (d / "nan.jsonl").read_text().splitlines())
