@@ -26,7 +26,8 @@ from nvg.model import BODY_ROLES, ROLE_INPUT, autocast, load_model, pick_device
 from nvg.settings import check, from_json
 from nvg.tokenize_windows import read_windows
 
-INPUT_LEAD = {"attn_in": "q", "attn_out": "o", "mlp_in": "gate", "mlp_down": "down"}  # one hook per input
+# one hook per distinct input: the first role that reads it (linears sharing an input share its Gram)
+INPUT_LEAD = {name: next(r for r, n in ROLE_INPUT.items() if n == name) for name in dict.fromkeys(ROLE_INPUT.values())}
 
 
 @dataclass

@@ -51,9 +51,8 @@ def shard_rows(n: int, shard: int, shards: int) -> np.ndarray:
 
 def teacher_hash(cmf) -> str:
     """Identifies the teacher's content: the directory hash covers every tensor's hash."""
-    import struct
-
-    return hex16(struct.unpack_from("<Q", cmf.path.read_bytes()[:128], 0x78)[0])
+    with open(cmf.path, "rb") as f:  # the envelope alone, not the whole file again
+        return hex16(int.from_bytes(f.read(128)[0x78:0x80], "little"))
 
 
 def read_topk(paths: list[Path], n_windows: int) -> tuple[np.ndarray, np.ndarray]:
