@@ -35,7 +35,7 @@ from nvg.tokenize_windows import ChatRenderer, read_windows, source_tokens
 @dataclass
 class EvalSettings:
     batch: int = 4
-    ood: str | None = None
+    ood: str | None = "python-docs"
     ood_tokens: int = 4096
     device: str = "auto"
     precision: str = "bf16"

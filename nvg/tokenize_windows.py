@@ -4,7 +4,8 @@ Every source is tokenized with the teacher's own tokenizer (from its CMF vocab s
 `tokens + eval_windows · window` is split over the sources by weight; each source is cut into
 `window`-token windows; all windows are shuffled with a seeded generator and the last `eval_windows`
 are held out. Sources: files or folders (.txt .md .rst; .jsonl with `text` or chat `messages`; .json
-arrays of [prompt, text] pairs), globs, and `pkg:<module>/<path>` inside an installed package.
+arrays of [prompt, text] pairs), globs, `pkg:<module>/<path>` inside an installed package, and
+`python-docs` (the Python language reference shipped with CPython).
 
     python -m nvg.tokenize_windows --teacher results/teacher.cmf --out results/data/windows.h5 --settings JSON
 """
@@ -29,6 +30,7 @@ from nvg.import_teacher import resolve_path
 from nvg.settings import check, from_json
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".jsonl", ".json"}
+PYTHON_DOCS = "python-docs"
 
 
 @dataclass
@@ -113,14 +115,26 @@ def file_texts(path: Path, render_chat: ChatRenderer):
         yield raw
 
 
+def source_documents(spec: str, render_chat):
+    """Yield the documents of one source. `python-docs` is the Python language reference that ships
+    with every CPython (`pydoc_data.topics`, 0.46 MB of modern technical English): an out-of-domain
+    text that needs no download."""
+    if spec == PYTHON_DOCS:
+        from pydoc_data.topics import topics
+
+        yield from (topics[k] for k in sorted(topics))
+        return
+    for f in source_files(spec):
+        yield from file_texts(f, render_chat)
+
+
 def source_tokens(spec: str, budget: int, tokenizer, render_chat) -> np.ndarray:
     """Up to `budget` token ids of one source, reading only as much text as it needs."""
     ids: list[int] = []
-    for f in source_files(spec):
-        for text in file_texts(f, render_chat):
-            ids.extend(tokenizer.encode(text, add_special_tokens=False).ids)
-            if len(ids) >= budget:
-                return np.asarray(ids[:budget], dtype=np.int32)
+    for text in source_documents(spec, render_chat):
+        ids.extend(tokenizer.encode(text, add_special_tokens=False).ids)
+        if len(ids) >= budget:
+            return np.asarray(ids[:budget], dtype=np.int32)
     return np.asarray(ids, dtype=np.int32)
 
 

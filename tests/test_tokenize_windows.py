@@ -52,6 +52,8 @@ def test_folder_json_pairs_and_pkg_sources(tiny_cmf, tiny_corpus, tmp_path):
     assert len(tokens) > 4
     pkg, _ = run(tiny_cmf, tmp_path, "pkg.h5", sources=[{"path": "pkg:shksprdata/texts/hamlet_gut.txt"}], tokens=256)
     assert len(pkg) == 256 // 32 + 4
+    docs, _ = run(tiny_cmf, tmp_path, "docs.h5", sources=[{"path": "python-docs"}], tokens=256)
+    assert len(docs) == 256 // 32 + 4 and not np.array_equal(docs[:4], pkg[:4])
 
 
 @pytest.mark.parametrize("kw, message", [
