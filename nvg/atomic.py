@@ -14,6 +14,8 @@ def atomic_path(path: str | os.PathLike):
     """Yield a temporary path beside `path`; on success rename it to `path`, on failure remove it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp*"):  # left by a killed run; one writer per output
+        stale.unlink()
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         yield tmp

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -69,9 +71,24 @@ def hf_config(arch: dict, intermediate: int, tensors: dict, tok_cfg: dict) -> di
     return cfg
 
 
+def hf_tokenizer_config(vocab: bytes, tok_cfg: dict) -> dict:
+    """tokenizer_config.json: special tokens by name and the chat template, from the CMF header."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(vocab.decode("utf-8"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    if tok_cfg.get("eos_token_ids"):
+        config["eos_token"] = tok.id_to_token(tok_cfg["eos_token_ids"][0])
+    for key, name in (("bos_token_id", "bos_token"), ("pad_token_id", "pad_token")):
+        if tok_cfg.get(key) is not None:
+            config[name] = tok.id_to_token(tok_cfg[key])
+    if tok_cfg.get("chat_template"):
+        config["chat_template"] = tok_cfg["chat_template"]
+    return config
+
+
 def main(source: Path, out: Path, dtype: str = "float32") -> None:
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer
 
     cmf = read_cmf(source)
     if not cmf.vocab:
@@ -80,24 +97,24 @@ def main(source: Path, out: Path, dtype: str = "float32") -> None:
     tensors = dense_tensors(cmf)
     width = pad_mlp(tensors, arch["num_layers"])
     tok_cfg = cmf.header.get("tokenizer_config", {})
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.to(getattr(torch, dtype)).contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps({**hf_config(arch, width, tensors, tok_cfg), "torch_dtype": dtype}, indent=1))
-    (out / "tokenizer.json").write_bytes(cmf.vocab)
-    tok = Tokenizer.from_str(cmf.vocab.decode("utf-8"))
-    names = {key: tok.id_to_token(tok_cfg[key]) for key in ("bos_token_id", "pad_token_id") if tok_cfg.get(key) is not None}
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    if tok_cfg.get("eos_token_ids"):
-        tokenizer_config["eos_token"] = tok.id_to_token(tok_cfg["eos_token_ids"][0])
-    if "bos_token_id" in names:
-        tokenizer_config["bos_token"] = names["bos_token_id"]
-    if "pad_token_id" in names:
-        tokenizer_config["pad_token"] = names["pad_token_id"]
-    if tok_cfg.get("chat_template"):
-        tokenizer_config["chat_template"] = tok_cfg["chat_template"]
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
-    print(f"export-hf: {len(tensors)} dense tensors ({dtype}) → {out}", file=sys.stderr)
+    if out.exists() and any(out.iterdir()):
+        raise NvgError(f"{out}: exists and is not empty; export-hf writes a new folder")
+    final, out = out, out.with_name(f".{out.name}.tmp{os.getpid()}")  # renamed into place when complete
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        save_file({n: t.to(getattr(torch, dtype)).contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps({**hf_config(arch, width, tensors, tok_cfg), "torch_dtype": dtype}, indent=1))
+        (out / "tokenizer.json").write_bytes(cmf.vocab)
+        (out / "tokenizer_config.json").write_text(json.dumps(hf_tokenizer_config(cmf.vocab, tok_cfg), indent=1))
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    if final.exists():
+        final.rmdir()
+    os.replace(out, final)
+    print(f"export-hf: {len(tensors)} dense tensors ({dtype}) → {final}", file=sys.stderr)
 
 
 @exits_cleanly

@@ -128,12 +128,30 @@ def load_hf_folder(folder: Path) -> TeacherSource:
                          tokenizer_config_from(tok_cfg, template, _token_ids(tok_json)))
 
 
+def check_gguf(path: Path) -> None:
+    """Parse the GGUF's header and tensor table first: a truncated or corrupt file is one clear error
+    here instead of a traceback from deep inside transformers."""
+    import struct
+
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, struct.error, IndexError, OSError) as e:
+        raise NvgError(f"{path}: not a readable GGUF (truncated or corrupt): {e}") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise NvgError(f"{path}: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, the file has {size}: truncated")
+
+
 def load_gguf(path: Path) -> TeacherSource:
     """Through transformers' GGUF loader (which needs the `gguf` package): weights dequantised to f32."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf(path)
     try:
         cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

@@ -1,11 +1,19 @@
 # Helpers shared by every rule: config validation, settings as params, step-module sources as inputs.
 import ast
 import json
+import sys
 from pathlib import Path
 
 from snakemake.utils import validate
 
-validate(config, schema="../schemas/config.schema.yaml")
+from nvg.config import config_error
+
+SCHEMA = Path(workflow.basedir) / "workflow/schemas/config.schema.yaml"
+# One line naming the file, the key and the problem, before any job; then Snakemake fills in defaults.
+if problem := config_error(config, SCHEMA, workflow.configfiles):
+    sys.stderr.write(f"error: {problem}\n")
+    sys.exit(2)
+validate(config, schema=str(SCHEMA))
 
 NVG = Path(workflow.basedir) / "nvg"
 DEVICE_KEYS = ("device",)  # where a stage runs never changes what it computes: not a rerun trigger

