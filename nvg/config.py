@@ -15,8 +15,12 @@ def config_error(config: dict, schema_path: Path, files: list[str]) -> str | Non
     """`<files>: <dotted.key>: <problem>` for the most relevant schema violation, or None when valid."""
     schema = yaml.safe_load(Path(schema_path).read_text())
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(config))
-    if error is None:
-        return None
-    key = ".".join(str(p) for p in error.absolute_path) or "(top level)"
     names = ", ".join(dict.fromkeys(str(Path(f).resolve()) for f in files)) or "config"
-    return f"{names}: {key}: {error.message}"
+    if error is not None:
+        key = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+        return f"{names}: {key}: {error.message}"
+    train, defaults = config.get("train", {}), schema["properties"]["train"]["properties"]
+    batch, gpus = (train.get(k, defaults[k]["default"]) for k in ("batch", "gpus"))
+    if batch % gpus:  # the one rule that spans two keys
+        return f"{names}: train.gpus: {gpus} does not divide train.batch {batch}"
+    return None

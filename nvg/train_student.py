@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
+from nvg import distributed
 from nvg.atomic import atomic_path
+from nvg.distributed import Group
 from nvg.cmf import BLR, F16, Tensor, dense_tensor, read_cmf, write_cmf
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
@@ -54,6 +56,7 @@ class TrainSettings:
     precision: str = "bf16"
     seed: int = 1234
     device: str = "auto"
+    gpus: int = 1
     state_root: str = "results/state/train_student"
 
     def __post_init__(self):
@@ -65,6 +68,8 @@ class TrainSettings:
         check(self.state_every >= 0, "train", "state_every", f"must be >= 0, got {self.state_every}")
         check(self.stop_after is None or self.stop_after >= 1, "train", "stop_after", f"must be >= 1 or null, got {self.stop_after}")
         check(self.precision in ("bf16", "fp16", "fp32"), "train", "precision", f"bf16, fp16 or fp32, got {self.precision!r}")
+        check(self.gpus >= 1 and self.batch % self.gpus == 0, "train", "gpus",
+              f"must be >= 1 and divide train.batch {self.batch}, got {self.gpus}")
 
 
 def lr_shape(step: int, total: int) -> float:
@@ -90,33 +95,34 @@ def trainable(model) -> dict[str, torch.nn.Parameter]:
 def state_key(inputs: list[Path], settings: TrainSettings) -> str:
     """Names the state folder: any change of an input file or a result-affecting setting gives a new one."""
     parts = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
-    s = {k: v for k, v in asdict(settings).items() if k not in ("device", "state_root", "stop_after")}
+    s = {k: v for k, v in asdict(settings).items() if k not in ("device", "gpus", "state_root", "stop_after")}
     return hex16(hash64(json.dumps([parts, s], sort_keys=True).encode()))
 
 
 class Distiller:
     """The student, its batches and the teacher's targets, with loss, eval and snapshot helpers."""
 
-    def __init__(self, model, tokens, t_ids, t_logp, n_train, settings: TrainSettings, device):
-        self.model, self.s, self.device = model, settings, device
+    def __init__(self, model, tokens, t_ids, t_logp, n_train, settings: TrainSettings, device, group=Group()):
+        self.model, self.s, self.device, self.group = model, settings, device, group
         self.tokens, self.t_ids, self.t_logp = tokens, t_ids, t_logp
         self.n_train = n_train
         self.params = trainable(model)
 
     @classmethod
-    def from_files(cls, student: Path, windows: Path, topk: list[Path], settings: TrainSettings):
+    def from_files(cls, student: Path, windows: Path, topk: list[Path], settings: TrainSettings, group=Group()):
         """(Distiller, student CMF): the student on its device, the windows and the teacher's top-k."""
         tokens, attrs = read_windows(windows)
         t_ids, t_logp = read_topk(topk, len(tokens))
-        device = pick_device(settings.device)
+        device = group.device(pick_device(settings.device))
         s_cmf = read_cmf(student)
-        return cls(load_model(s_cmf, device), tokens, t_ids, t_logp, int(attrs["n_train"]), settings, device), s_cmf
+        return cls(load_model(s_cmf, device), tokens, t_ids, t_logp, int(attrs["n_train"]), settings, device, group), s_cmf
 
     def batch(self, rows):
         pick = lambda a: torch.from_numpy(a[rows]).to(self.device)  # noqa: E731
         return pick(self.tokens), pick(self.t_ids), pick(self.t_logp)
 
     def loss(self, rows) -> torch.Tensor:
+        """Mean per-token KL over this process's `rows`."""
         ids, t_ids, t_logp = self.batch(rows)
         with autocast(self.device, self.s.precision):
             hidden = self.model.hidden(ids)
@@ -125,10 +131,11 @@ class Distiller:
     @torch.no_grad()
     def heldout_kl(self) -> float:
         rows = list(range(self.n_train, len(self.tokens)))
-        total = 0.0
-        for s in range(0, len(rows), self.s.batch):
-            total += float(self.loss(rows[s : s + self.s.batch])) * len(rows[s : s + self.s.batch])
-        return total / len(rows)
+        mine = self.group.shard(rows)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for s in range(0, len(mine), self.s.batch):
+            total += self.loss(mine[s : s + self.s.batch]).double() * len(mine[s : s + self.s.batch])
+        return float(self.group.sum(total)) / len(rows)
 
     def snapshot(self) -> dict:
         return {n: p.detach().cpu().clone() for n, p in self.params.items()}
@@ -163,7 +170,11 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
          settings: TrainSettings) -> None:
     s = settings
     torch.manual_seed(s.seed)
-    d, s_cmf = Distiller.from_files(student, windows, topk, s)
+    group = distributed.start(pick_device(s.device))
+    say = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if group.main else (lambda *a, **k: None)  # noqa: E731
+    if group.world != s.gpus:
+        raise NvgError(f"config train.gpus: {s.gpus}, but {group.world} processes were started (torchrun --nproc_per_node)")
+    d, s_cmf = Distiller.from_files(student, windows, topk, s, group)
     model, tokens, n_train, device = d.model, d.tokens, d.n_train, d.device
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
@@ -178,14 +189,14 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
         st = torch.load(state_file, map_location="cpu", weights_only=False)
         d.restore(st["params"])
         opt.load_state_dict(st["adam"])
-        print(f"train_student: resumed {state_file} at step {st['done']} (epoch {st['epoch']}, batch {st['pos']})", file=sys.stderr)
+        say(f"train_student: resumed {state_file} at step {st['done']} (epoch {st['epoch']}, batch {st['pos']})")
     else:
         e0 = d.heldout_kl()
         st = {"done": 0, "epoch": 0, "pos": 0, "skipped": 0, "gscale": 4096.0 if s.precision == "fp16" else 1.0,
               "e0": e0, "best_kl": e0, "best_step": 0, "best": d.snapshot(), "evals": [{"step": 0, "heldout_kl": e0}],
               "metrics": [{"step": 0, "heldout_kl": e0}], "tokens_seen": 0}
-    print(f"train_student: {len(d.params)} trainable tensors, {n_batches} batches × {s.epochs} epochs = {total} steps, "
-          f"held-out KL before training {st['e0']:.5f}, device {device}", file=sys.stderr)
+    say(f"train_student: {len(d.params)} trainable tensors, {n_batches} batches × {s.epochs} epochs = {total} steps, "
+        f"held-out KL before training {st['e0']:.5f}, device {device}" + (f" × {group.world} processes" if group.world > 1 else ""))
     done0, t0 = st["done"], time.perf_counter()
     stop = s.stop_after or total
     for epoch in range(st["epoch"], s.epochs):
@@ -197,10 +208,11 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
             if st["done"] >= stop:
                 break
             rows = list(range(order[pos] * s.batch, (order[pos] + 1) * s.batch))
-            loss = d.loss(rows)
+            loss = d.loss(group.shard(rows))
             (loss * st["gscale"]).backward()
-            loss = float(loss.detach())
+            loss = float(group.sum(loss.detach().float()) / group.world)
             grads = [p.grad for p in d.params.values()]
+            group.average_grads(grads)
             for g in grads:
                 g.div_(st["gscale"])
             gn = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
@@ -210,13 +222,13 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
                 st["skipped"] += 1
                 if s.precision == "fp16":
                     st["gscale"] = max(1.0, st["gscale"] / 2)
-                print(f"\n  non-finite step (loss {loss:.4f}, |g| {gn:.3e}): skipped, gscale {st['gscale']}", file=sys.stderr)
+                say(f"\n  non-finite step (loss {loss:.4f}, |g| {gn:.3e}): skipped, gscale {st['gscale']}")
                 st["metrics"].append({"step": st["done"], "skipped": True})
                 continue
             st["done"] += 1
             lr = s.lr * lr_shape(st["done"], total)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            for param_group in opt.param_groups:
+                param_group["lr"] = lr
             if gn > s.clip:
                 for g in grads:
                     g.mul_(s.clip / gn)
@@ -227,34 +239,37 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
             per_step = elapsed / max(1, st["done"] - done0)
             tok_s = (st["done"] - done0) * s.batch * tokens.shape[1] / max(elapsed, 1e-9)
             st["metrics"].append({"step": st["done"], "loss": loss, "grad_norm": gn, "lr": lr, "tok_s": tok_s})
-            print(f"  epoch {epoch + 1} step {st['done']}/{total}  loss {loss:.4f}  |g| {gn:.3e}  lr {lr:.2e}  "
-                  f"{per_step:.2f} s/step  {tok_s:.0f} tok/s  ETA {per_step * (min(stop, total) - st['done']):.0f}s",
-                  file=sys.stderr)
+            say(f"  epoch {epoch + 1} step {st['done']}/{total}  loss {loss:.4f}  |g| {gn:.3e}  lr {lr:.2e}  "
+                f"{per_step:.2f} s/step  {tok_s:.0f} tok/s  ETA {per_step * (min(stop, total) - st['done']):.0f}s")
             if st["done"] % s.eval_every == 0 or st["done"] == total:
                 e = d.heldout_kl()
                 if e < st["best_kl"]:
                     st["best_kl"], st["best_step"], st["best"] = e, st["done"], d.snapshot()
                 st["evals"].append({"step": st["done"], "heldout_kl": e})
                 st["metrics"].append({"step": st["done"], "heldout_kl": e})
-                print(f"  step {st['done']}: held-out KL {e:.5f} (best {st['best_kl']:.5f} at {st['best_step']})", file=sys.stderr)
-            if s.state_every and st["done"] % s.state_every == 0 and st["done"] < total:
+                say(f"  step {st['done']}: held-out KL {e:.5f} (best {st['best_kl']:.5f} at {st['best_step']})")
+            if s.state_every and st["done"] % s.state_every == 0 and st["done"] < total and group.main:
                 state_dir.mkdir(parents=True, exist_ok=True)
                 with atomic_path(state_file) as tmp:
                     torch.save({**st, "params": d.snapshot(), "adam": opt.state_dict()}, tmp)
-                print(f"  state saved at step {st['done']}: {state_file}", file=sys.stderr)
+                say(f"  state saved at step {st['done']}: {state_file}")
     d.restore(st["best"])
-    print(f"train_student: best held-out KL {st['best_kl']:.5f} at step {st['best_step']} (start {st['e0']:.5f}); "
-          f"{st['skipped']} non-finite steps skipped; {st['done']} steps", file=sys.stderr)
+    say(f"train_student: best held-out KL {st['best_kl']:.5f} at step {st['best_step']} (start {st['e0']:.5f}); "
+        f"{st['skipped']} non-finite steps skipped; {st['done']} steps")
+    if not group.main:  # process 0 writes the outputs
+        distributed.stop(group)
+        return
     export_student(s_cmf, model, out, {
         "teacher": teacher_name, "tokens": st["tokens_seen"], "window": int(tokens.shape[1]), "batch": s.batch,
         "lr": s.lr, "topk": int(d.t_ids.shape[-1]), "steps": st["done"], "best_step": st["best_step"],
         "heldout_kl_start": st["e0"], "heldout_kl_best": st["best_kl"], "skipped": st["skipped"],
-        "tail": s.tail, "precision": s.precision, "evals": st["evals"],
+        "tail": s.tail, "precision": s.precision, "processes": group.world, "evals": st["evals"],
     })
     with atomic_path(metrics) as tmp:
         tmp.write_text("".join(json.dumps(m) + "\n" for m in st["metrics"]))
     if st["done"] >= total and state_dir.exists():  # finished: the outputs now hold everything the state did
         shutil.rmtree(state_dir)
+    distributed.stop(group)
 
 
 @exits_cleanly

@@ -237,6 +237,12 @@ def test_every_config_value_out_of_range_or_of_the_wrong_type(key, spec):
     assert config_error(DEFAULT_CONFIG, SCHEMA, ["config.yaml"]) is None
 
 
+def test_train_gpus_must_divide_the_batch():
+    config = json.loads(json.dumps(DEFAULT_CONFIG))
+    config["train"].update(gpus=3, batch=4)
+    assert config_error(config, SCHEMA, ["c.yaml"]) == f"{Path('c.yaml').resolve()}: train.gpus: 3 does not divide train.batch 4"
+
+
 def test_bad_config_stops_snakemake_with_one_line(tmp_path):
     config = json.loads(json.dumps(DEFAULT_CONFIG))
     config["train"]["batch"] = "four"

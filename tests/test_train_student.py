@@ -91,8 +91,43 @@ def test_fp16_and_tail_modes_run(stage_inputs):
     assert block["heldout_kl_best"] <= block["heldout_kl_start"]
 
 
+def test_two_processes_under_torchrun_match_one(stage_inputs):
+    """Data parallel on the CPU (gloo): each process takes half of every batch; the losses and the trained
+    scales equal one process's up to the order of the gradient reduction."""
+    import subprocess
+    import sys
+
+    from nvg import blr as codec
+
+    one = train(stage_inputs, "one-process", epochs=1)
+    d = stage_inputs
+    settings = {"epochs": 1, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2, "gpus": 2,
+                "state_root": str(d / "state-two")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "nvg.train_student", "--student", str(d / "student.cmf"), "--windows", str(d / "windows.h5"),
+                           "--topk", str(d / "topk.0.h5"), "--out", str(d / "two.cmf"), "--metrics", str(d / "two.jsonl"),
+                           "--settings", json.dumps(settings)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "× 2 processes" in proc.stderr
+    read = lambda name: [json.loads(x) for x in (d / name).read_text().splitlines()]  # noqa: E731
+    a, b = read("one-process.jsonl"), read("two.jsonl")
+    assert [sorted(x) for x in a] == [sorted(x) for x in b]
+    for x, y in zip(a, b):
+        for key in ("loss", "heldout_kl", "grad_norm"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-4), (key, x, y)
+    two = read_cmf(d / "two.cmf")
+    assert two.header["provenance"]["nvg_train"]["processes"] == 2
+    for name, t in one.tensors.items():
+        if t.dtype == BLR:
+            pa, pb = codec.decode(bytes(t.data)).paths[0], codec.decode(bytes(two.tensors[name].data)).paths[0]
+            for va, vb in ((pa.h, pb.h), (pa.g, pb.g), (pa.ell, pb.ell)):
+                assert torch.allclose(torch.from_numpy(va), torch.from_numpy(vb), rtol=2e-3, atol=1e-4), name
+
+
 @pytest.mark.parametrize("text, message", [
     ('{"lr": 0}', "train.lr: must be > 0"),
+    ('{"gpus": 3}', "train.gpus: must be >= 1 and divide train.batch 4"),
     ('{"precision": "int8"}', "train.precision"),
     ('{"epochs": 1.5}', "train.epochs: expected int"),
     ('{"stop_after": 0}', "train.stop_after"),

@@ -16,7 +16,6 @@ if problem := config_error(config, SCHEMA, workflow.configfiles):
 validate(config, schema=str(SCHEMA))
 
 NVG = Path(workflow.basedir) / "nvg"
-DEVICE_KEYS = ("device",)  # where a stage runs never changes what it computes: not a rerun trigger
 
 
 def settings(block, **extra):
@@ -51,6 +50,12 @@ def resolve_source(spec):
     if found is None:
         raise WorkflowError(f"config teacher: package {package!r} is not installed (see README: setup)")
     return str(Path(list(found.submodule_search_locations)[0]) / rel)
+
+
+def train_launcher():
+    """One process, or one per GPU under torchrun when `train.gpus` > 1 (data parallel, see nvg/distributed.py)."""
+    gpus = config["train"]["gpus"]
+    return "python" if gpus == 1 else f"torchrun --standalone --nproc_per_node {gpus}"
 
 
 def topk_shards():

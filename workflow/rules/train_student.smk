@@ -18,12 +18,13 @@ rule train_student:
     params:
         settings=settings("train"),
         teacher=config["teacher"],
+        launcher=train_launcher(),
     threads: 2
     resources:
-        gpu=1,
+        gpu=config["train"]["gpus"],
         mem_mb=32000,
         runtime=lambda wildcards, attempt: 240 * attempt,
     shell:
-        "python -m nvg.train_student --student {input.student} --windows {input.windows} --topk {input.topk} "
+        "{params.launcher} -m nvg.train_student --student {input.student} --windows {input.windows} --topk {input.topk} "
         "--teacher-name {params.teacher:q} --out {output.cmf} --metrics {output.metrics} "
         "--settings {params.settings:q} > {log} 2>&1"
