@@ -110,8 +110,9 @@ class BlrLinear(nn.Module):
         self.ell = nn.Parameter(stack([p.ell for p in payload.paths]))  # [P, r]
         self.g = nn.Parameter(stack([p.g for p in payload.paths]))  # [P, d_in]
         signs = [p.signs() for p in payload.paths]
-        self.register_buffer("su", stack([s[0] for s in signs]))  # [P, d_out, r]
-        self.register_buffer("sv", stack([s[1] for s in signs]))  # [P, r, d_in]
+        # ±1 as float: parameters (frozen unless sign training asks for their gradients, nvg/sign_training.py)
+        self.su = nn.Parameter(stack([s[0] for s in signs]), requires_grad=False)  # [P, d_out, r]
+        self.sv = nn.Parameter(stack([s[1] for s in signs]), requires_grad=False)  # [P, r, d_in]
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     @property
@@ -134,7 +135,7 @@ class BlrLinear(nn.Module):
         """Back to the codec (scales rounded to f16 on encode; signs from the ±1 buffers)."""
         return blr_codec.BlrTensor.from_factors([
             (self.h[p].detach().cpu().numpy(), self.g[p].detach().cpu().numpy(), self.ell[p].detach().cpu().numpy(),
-             self.su[p].cpu().numpy(), self.sv[p].cpu().numpy())
+             self.su[p].detach().cpu().numpy(), self.sv[p].detach().cpu().numpy())
             for p in range(self.h.shape[0])
         ])
 

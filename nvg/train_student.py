@@ -25,7 +25,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ from nvg.hash64 import hash64, hex16
 from nvg.losses import topk_kl
 from nvg.model import autocast, load_model, pick_device
 from nvg.settings import check, from_json
+from nvg.sign_training import SignSettings, SignTrainer
 from nvg.teacher_topk import read_topk
 from nvg.tokenize_windows import read_windows
 
@@ -58,6 +59,7 @@ class TrainSettings:
     device: str = "auto"
     gpus: int = 1
     state_root: str = "results/state/train_student"
+    signs: dict | SignSettings = field(default_factory=dict)
 
     def __post_init__(self):
         check(self.epochs >= 1, "train", "epochs", f"must be >= 1, got {self.epochs}")
@@ -70,6 +72,8 @@ class TrainSettings:
         check(self.precision in ("bf16", "fp16", "fp32"), "train", "precision", f"bf16, fp16 or fp32, got {self.precision!r}")
         check(self.gpus >= 1 and self.batch % self.gpus == 0, "train", "gpus",
               f"must be >= 1 and divide train.batch {self.batch}, got {self.gpus}")
+        if isinstance(self.signs, dict):
+            self.signs = from_json(SignSettings, self.signs, "train.signs")
 
 
 def lr_shape(step: int, total: int) -> float:
@@ -107,6 +111,7 @@ class Distiller:
         self.tokens, self.t_ids, self.t_logp = tokens, t_ids, t_logp
         self.n_train = n_train
         self.params = trainable(model)
+        self.signs: SignTrainer | None = None  # set by main when train.signs.enabled
 
     @classmethod
     def from_files(cls, student: Path, windows: Path, topk: list[Path], settings: TrainSettings, group=Group()):
@@ -138,12 +143,18 @@ class Distiller:
         return float(self.group.sum(total)) / len(rows)
 
     def snapshot(self) -> dict:
-        return {n: p.detach().cpu().clone() for n, p in self.params.items()}
+        """The trained values (and the bits, with sign training): what the best checkpoint keeps."""
+        snap = {n: p.detach().cpu().clone() for n, p in self.params.items()}
+        if self.signs:
+            snap["sign_bits"] = self.signs.bits()
+        return snap
 
     @torch.no_grad()
     def restore(self, snap: dict) -> None:
         for n, p in self.params.items():
             p.copy_(snap[n].to(p.device))
+        if self.signs:
+            self.signs.restore_bits(snap["sign_bits"])
 
 
 def export_student(student_cmf, model, out: Path, provenance_block: dict) -> None:
@@ -183,12 +194,20 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
         raise NvgError(f"config train.batch: {s.batch} exceeds the {n_train} training windows")
     total = n_batches * s.epochs
     opt = torch.optim.Adam(list(d.params.values()), lr=s.lr, betas=(0.9, 0.999), eps=1e-8)
+    if s.signs.enabled:
+        d.signs = SignTrainer(model, s.signs, total, group)
+        gb = d.signs.live * d.signs.bytes_per_sign / 1e9
+        say(f"sign training: {d.signs.live} signs in {len(d.signs.mats)} matrices, optimizer {s.signs.optimizer} "
+            f"({d.signs.bytes_per_sign} B/sign state ≈ {gb:.2f} GB), τ {s.signs.tau}, η0 {d.signs.eta0:.3e}"
+            f"{' (auto min(0.15·τ/√steps, 4e-3·τ))' if s.signs.eta is None else ''}, warm {s.signs.warm} sign steps")
     state_dir = Path(s.state_root) / state_key([student, windows, *topk], s)
     state_file = state_dir / "state.pt"
     if state_file.exists():
         st = torch.load(state_file, map_location="cpu", weights_only=False)
         d.restore(st["params"])
         opt.load_state_dict(st["adam"])
+        if d.signs:
+            d.signs.load_state_dict(st["signs"])
         say(f"train_student: resumed {state_file} at step {st['done']} (epoch {st['epoch']}, batch {st['pos']})")
     else:
         e0 = d.heldout_kl()
@@ -208,8 +227,11 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
             if st["done"] >= stop:
                 break
             rows = list(range(order[pos] * s.batch, (order[pos] + 1) * s.batch))
+            if d.signs:  # the sign latents move inside this backward pass
+                d.signs.begin_step(lr_shape(st["done"] + 1, total), st["gscale"])
             loss = d.loss(group.shard(rows))
             (loss * st["gscale"]).backward()
+            sign_step = d.signs.end_step() if d.signs else None
             loss = float(group.sum(loss.detach().float()) / group.world)
             grads = [p.grad for p in d.params.values()]
             group.average_grads(grads)
@@ -217,12 +239,14 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
                 g.div_(st["gscale"])
             gn = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
             st["epoch"], st["pos"] = epoch, pos + 1
-            if not (math.isfinite(gn) and math.isfinite(loss)):
+            bad_signs = sign_step["nonfinite"] if sign_step else 0
+            if not (math.isfinite(gn) and math.isfinite(loss)) or bad_signs:
                 opt.zero_grad(set_to_none=True)
                 st["skipped"] += 1
                 if s.precision == "fp16":
                     st["gscale"] = max(1.0, st["gscale"] / 2)
-                say(f"\n  non-finite step (loss {loss:.4f}, |g| {gn:.3e}): skipped, gscale {st['gscale']}")
+                say(f"\n  non-finite step (loss {loss:.4f}, |g| {gn:.3e}, {bad_signs} non-finite sign gradients): "
+                    f"skipped, gscale {st['gscale']}")
                 st["metrics"].append({"step": st["done"], "skipped": True})
                 continue
             st["done"] += 1
@@ -238,20 +262,38 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
             elapsed = time.perf_counter() - t0
             per_step = elapsed / max(1, st["done"] - done0)
             tok_s = (st["done"] - done0) * s.batch * tokens.shape[1] / max(elapsed, 1e-9)
-            st["metrics"].append({"step": st["done"], "loss": loss, "grad_norm": gn, "lr": lr, "tok_s": tok_s})
-            say(f"  epoch {epoch + 1} step {st['done']}/{total}  loss {loss:.4f}  |g| {gn:.3e}  lr {lr:.2e}  "
+            record = {"step": st["done"], "loss": loss, "grad_norm": gn, "lr": lr, "tok_s": tok_s}
+            sign_note = ""
+            if sign_step:
+                record.update(sign_eta=sign_step["eta"], sign_flips=sign_step["flips"])
+                sign_note = f"  η {sign_step['eta']:.2e} flips {sign_step['flips']} ({sign_step['flip_rate']:.1e})"
+            st["metrics"].append(record)
+            say(f"  epoch {epoch + 1} step {st['done']}/{total}  loss {loss:.4f}  |g| {gn:.3e}  lr {lr:.2e}{sign_note}  "
                 f"{per_step:.2f} s/step  {tok_s:.0f} tok/s  ETA {per_step * (min(stop, total) - st['done']):.0f}s")
+            if sign_step and (note := d.signs.flip_guard(sign_step)):
+                say(f"  {note}")
             if st["done"] % s.eval_every == 0 or st["done"] == total:
                 e = d.heldout_kl()
+                evaluation = {"step": st["done"], "heldout_kl": e}
+                say(f"  step {st['done']}: held-out KL {e:.5f} (best {min(e, st['best_kl']):.5f} at "
+                    f"{st['done'] if e < st['best_kl'] else st['best_step']})")
+                if d.signs:
+                    stats = d.signs.stats()
+                    evaluation.update({k: v for k, v in stats.items() if k != "flips"})
+                    roles = ", ".join(f"{r} {100 * f:.2f}%" for r, f in stats["per_role"].items())
+                    say(f"    signs: {100 * stats['flipped_fraction']:.3f}% flipped ({stats['distinct']}), churn {stats['churn']:.2f}, "
+                        f"saturated {stats['saturated_fraction']:.2e}, clamped {stats['clamped_fraction']:.2e} of sign updates; {roles}")
+                    for note in d.signs.after_eval(e, st["best_kl"]):
+                        say(f"    {note}")
                 if e < st["best_kl"]:
                     st["best_kl"], st["best_step"], st["best"] = e, st["done"], d.snapshot()
-                st["evals"].append({"step": st["done"], "heldout_kl": e})
-                st["metrics"].append({"step": st["done"], "heldout_kl": e})
-                say(f"  step {st['done']}: held-out KL {e:.5f} (best {st['best_kl']:.5f} at {st['best_step']})")
+                st["evals"].append(evaluation)
+                st["metrics"].append(evaluation)
             if s.state_every and st["done"] % s.state_every == 0 and st["done"] < total and group.main:
                 state_dir.mkdir(parents=True, exist_ok=True)
                 with atomic_path(state_file) as tmp:
-                    torch.save({**st, "params": d.snapshot(), "adam": opt.state_dict()}, tmp)
+                    torch.save({**st, "params": d.snapshot(), "adam": opt.state_dict(),
+                                "signs": d.signs.state_dict() if d.signs else None}, tmp)
                 say(f"  state saved at step {st['done']}: {state_file}")
     d.restore(st["best"])
     say(f"train_student: best held-out KL {st['best_kl']:.5f} at step {st['best_step']} (start {st['e0']:.5f}); "
@@ -264,6 +306,7 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
         "lr": s.lr, "topk": int(d.t_ids.shape[-1]), "steps": st["done"], "best_step": st["best_step"],
         "heldout_kl_start": st["e0"], "heldout_kl_best": st["best_kl"], "skipped": st["skipped"],
         "tail": s.tail, "precision": s.precision, "processes": group.world, "evals": st["evals"],
+        **({"signs": d.signs.provenance()} if d.signs else {}),
     })
     with atomic_path(metrics) as tmp:
         tmp.write_text("".join(json.dumps(m) + "\n" for m in st["metrics"]))

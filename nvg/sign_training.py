@@ -1,0 +1,244 @@
+"""Sign training (`train.signs.enabled`): the ±1 entries of S_U and S_V become trainable through
+straight-through latents, the seed's `--train-signs`.
+
+Every sign gets a real latent z initialised at τ·s, so every sign keeps its bit. The forward pass uses
+the bits. The backward pass takes ∂L/∂s straight through, with surrogate slope k = 2/τ, as ∂L/∂z.
+As soon as one matrix's gradient is ready (a post-accumulate-grad hook), its latents are updated and
+the gradient is freed. So at most one dense sign gradient exists at a time, never a buffer for the
+whole model. A bit flips only when its latent crosses the hysteresis band: z > hyst gives +1,
+z < −hyst gives −1, and in between the bit stays. Latents are clamped to ±clamp.
+
+Optimizers (bytes of state per sign, besides the bit itself):
+  adam      latent f32, first and second moment f32                        12 B
+  factored  latent f32, first moment bf16, second moment factored into row
+            and column means (Adafactor); the default                       6 B
+  plain     latent f32; the step is the gradient over its matrix's RMS      4 B
+plus 1 B per sign for the student's original bits (the distinct-flip count). Adam normalises every
+sign on its own, so every latent moves by about η per step, noise included; on the toy problem in
+tests/test_sign_training.py it flips many correct bits, where factored and plain solve it.
+
+Step size: η = η0 · guard multiplier · the metric's schedule shape, and 0 during the first `warm` sign
+steps, while the moments settle. η0 auto = min(0.15·τ/√steps, 4e-3·τ). Guards halve the multiplier:
+  * when the per-step flip rate exceeds `max_step_flip` three steps running;
+  * when the distinct flipped fraction exceeds `max_total_flip` (checked at each evaluation);
+  * when the held-out KL exceeds 1.05 × best twice running.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nvg.model import BODY_ROLES, parse_body_linear
+from nvg.settings import check
+
+BYTES_PER_SIGN = {"adam": 12, "factored": 6, "plain": 4}
+ROLES = tuple(BODY_ROLES)
+
+
+@dataclass
+class SignSettings:
+    enabled: bool = False
+    optimizer: str = "factored"
+    tau: float = 1.0
+    eta: float | None = None
+    warm: int = 10
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clamp: float = 2.0
+    hyst: float = 0.1
+    max_step_flip: float = 1e-3
+    max_total_flip: float = 0.1
+
+    def __post_init__(self):
+        key = lambda k: ("train", f"signs.{k}")  # noqa: E731
+        check(self.optimizer in BYTES_PER_SIGN, *key("optimizer"), f"adam, factored or plain, got {self.optimizer!r}")
+        check(self.tau > 0, *key("tau"), f"must be > 0, got {self.tau}")
+        check(self.eta is None or self.eta >= 0, *key("eta"), f"must be >= 0 or null (auto), got {self.eta}")
+        check(self.warm >= 0, *key("warm"), f"must be >= 0, got {self.warm}")
+        check(0 <= self.b1 < 1, *key("b1"), f"must be in [0, 1), got {self.b1}")
+        check(0 <= self.b2 < 1, *key("b2"), f"must be in [0, 1), got {self.b2}")
+        check(self.eps > 0, *key("eps"), f"must be > 0, got {self.eps}")
+        check(self.clamp >= self.tau, *key("clamp"), f"must be >= tau {self.tau}, got {self.clamp}")
+        check(0 <= self.hyst < self.tau, *key("hyst"), f"must be in [0, tau {self.tau}), got {self.hyst}")
+        check(0 < self.max_step_flip <= 1, *key("max_step_flip"), f"must be in (0, 1], got {self.max_step_flip}")
+        check(0 < self.max_total_flip <= 1, *key("max_total_flip"), f"must be in (0, 1], got {self.max_total_flip}")
+
+    def peak_eta(self, total_steps: int) -> float:
+        if self.eta is not None:
+            return self.eta
+        return min(0.15 * self.tau / math.sqrt(max(1, total_steps)), 4e-3 * self.tau)
+
+
+class SignTrainer:
+    """The latents and optimizer state of every sign matrix, updated from inside the backward pass."""
+
+    def __init__(self, model, settings: SignSettings, total_steps: int, group):
+        self.s, self.group = settings, group
+        self.eta0 = settings.peak_eta(total_steps)
+        self.eta = 0.0  # set before every backward pass by `begin_step`
+        self.gscale = 1.0
+        self.mats: dict[str, torch.nn.Parameter] = {}
+        self.role: dict[str, str] = {}
+        for name, m in model.blr_linears().items():
+            for part in ("su", "sv"):
+                key = f"{name}:{part}"
+                self.mats[key] = getattr(m, part)
+                self.role[key] = parse_body_linear(name)[1] if parse_body_linear(name) else "other"
+        self.state = {k: self._fresh(p) for k, p in self.mats.items()}
+        self.counters = {"sign_steps": 0, "eta_mul": 1.0, "hi_streak": 0, "bad_evals": 0,
+                         "flips_total": 0, "saturated_total": 0, "clamped_total": 0}
+        self.live = sum(p.numel() for p in self.mats.values())
+        dev = next(iter(self.mats.values())).device if self.mats else torch.device("cpu")
+        self._step = {k: torch.zeros((), dtype=torch.int64, device=dev) for k in ("flips", "saturated", "clamped", "nonfinite")}
+        for key, p in self.mats.items():
+            p.requires_grad_(True)
+            p.register_post_accumulate_grad_hook(lambda p, key=key: self._update(key, p))
+
+    def _fresh(self, p: torch.Tensor) -> dict:
+        st = {"z": p.detach() * self.s.tau, "orig": p.detach() > 0}
+        if self.s.optimizer == "adam":
+            st["m"], st["v"] = torch.zeros_like(p), torch.zeros_like(p)
+        elif self.s.optimizer == "factored":
+            st["m"] = torch.zeros_like(p, dtype=torch.bfloat16)
+            st["v_row"] = torch.zeros(p.shape[:-1], device=p.device)
+            st["v_col"] = torch.zeros((*p.shape[:-2], p.shape[-1]), device=p.device)
+        return st
+
+    @property
+    def bytes_per_sign(self) -> int:
+        return BYTES_PER_SIGN[self.s.optimizer] + 1
+
+    def begin_step(self, shape: float, gscale: float) -> float:
+        """Set η for the coming backward pass from the schedule shape; returns it."""
+        c = self.counters
+        self.eta = 0.0 if c["sign_steps"] + 1 <= self.s.warm else self.eta0 * c["eta_mul"] * shape
+        self.gscale = gscale
+        for v in self._step.values():
+            v.zero_()
+        return self.eta
+
+    @torch.no_grad()
+    def _update(self, key: str, p: torch.nn.Parameter) -> None:
+        g = p.grad
+        p.grad = None
+        if self.group.world > 1:
+            g = self.group.sum(g) / self.group.world
+        bad = ~torch.isfinite(g)
+        if bad.any():
+            self._step["nonfinite"] += bad.sum()
+            return
+        s, st = self.s, self.state[key]
+        g = g * (2.0 / s.tau / self.gscale)  # straight through with surrogate slope 2/τ
+        t = self.counters["sign_steps"] + 1
+        if s.optimizer == "adam":
+            st["m"].lerp_(g, 1 - s.b1)
+            st["v"].mul_(s.b2).addcmul_(g, g, value=1 - s.b2)
+            u = (st["m"] / (1 - s.b1**t)) / ((st["v"] / (1 - s.b2**t)).sqrt() + s.eps)
+        elif s.optimizer == "factored":
+            m = st["m"].float().lerp_(g, 1 - s.b1)
+            st["m"].copy_(m)
+            g2 = g * g
+            st["v_row"].mul_(s.b2).add_(g2.mean(-1), alpha=1 - s.b2)
+            st["v_col"].mul_(s.b2).add_(g2.mean(-2), alpha=1 - s.b2)
+            v = st["v_row"].unsqueeze(-1) * st["v_col"].unsqueeze(-2) / st["v_row"].mean(-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)
+            u = (m / (1 - s.b1**t)) / ((v / (1 - s.b2**t)).sqrt() + s.eps)
+        else:
+            u = g / (g.pow(2).mean().sqrt() + s.eps)
+        if self.eta == 0.0:
+            return
+        z = st["z"]
+        step = -self.eta * u
+        self._step["saturated"] += ((z.abs() >= s.clamp) & (step * z > 0)).sum()  # pushing past the clamp: no effect
+        z.add_(step)
+        self._step["clamped"] += (z.abs() > s.clamp).sum()
+        z.clamp_(-s.clamp, s.clamp)
+        new = torch.where(z > s.hyst, 1.0, torch.where(z < -s.hyst, -1.0, p))
+        self._step["flips"] += (new != p).sum()
+        p.copy_(new)
+
+    def end_step(self) -> dict:
+        """After the backward pass: this step's counts (one host synchronisation)."""
+        c = self.counters
+        flips, sat, clamped, nonfinite = (int(self._step[k]) for k in ("flips", "saturated", "clamped", "nonfinite"))
+        c["sign_steps"] += 1
+        c["flips_total"] += flips
+        c["saturated_total"] += sat
+        c["clamped_total"] += clamped
+        return {"flips": flips, "flip_rate": flips / max(1, self.live), "nonfinite": nonfinite, "eta": self.eta}
+
+    def flip_guard(self, step: dict) -> str | None:
+        """After a completed step: halve η when the flip rate exceeded `max_step_flip` three steps running."""
+        c, s = self.counters, self.s
+        if step["flip_rate"] <= s.max_step_flip:
+            c["hi_streak"] = 0
+            return None
+        c["hi_streak"] += 1
+        if c["hi_streak"] < 3:
+            return None
+        c["eta_mul"] *= 0.5
+        c["hi_streak"] = 0
+        return f"guard: flip rate {step['flip_rate']:.2e} > {s.max_step_flip:.1e} for 3 steps — sign η halved (×{c['eta_mul']})"
+
+    def stats(self) -> dict:
+        """Per role and overall: distinct flipped fraction (bits that differ from the student's), churn
+        (flips per distinct flip), saturated and clamped fractions of all sign updates."""
+        per_role = {r: [0, 0] for r in ROLES}
+        for key, p in self.mats.items():
+            acc = per_role.setdefault(self.role[key], [0, 0])
+            acc[0] += int(((p > 0) != self.state[key]["orig"]).sum())
+            acc[1] += p.numel()
+        distinct = sum(a[0] for a in per_role.values())
+        c = self.counters
+        updates = max(1, self.live * c["sign_steps"])
+        return {
+            "flips": c["flips_total"], "distinct": distinct, "flipped_fraction": distinct / max(1, self.live),
+            "churn": c["flips_total"] / max(1, distinct), "saturated_fraction": c["saturated_total"] / updates,
+            "clamped_fraction": c["clamped_total"] / updates,
+            "per_role": {r: a[0] / a[1] for r, a in per_role.items() if a[1]},
+        }
+
+    def after_eval(self, heldout_kl: float, best_kl: float) -> list[str]:
+        """The two evaluation guards; returns what they did."""
+        c, s, notes = self.counters, self.s, []
+        frac = self.stats()["flipped_fraction"]
+        if frac > s.max_total_flip:
+            c["eta_mul"] *= 0.5
+            notes.append(f"guard: {100 * frac:.2f}% of signs flipped > {100 * s.max_total_flip:.1f}% — sign η halved (×{c['eta_mul']})")
+        if heldout_kl > 1.05 * best_kl:
+            c["bad_evals"] += 1
+            if c["bad_evals"] >= 2:
+                c["eta_mul"] *= 0.5
+                c["bad_evals"] = 0
+                notes.append(f"guard: held-out KL above 1.05× best twice — sign η halved (×{c['eta_mul']})")
+        else:
+            c["bad_evals"] = 0
+        return notes
+
+    def bits(self) -> dict:
+        """The current bits, 1 byte per sign (for the best snapshot)."""
+        return {k: (p.detach() > 0).cpu() for k, p in self.mats.items()}
+
+    @torch.no_grad()
+    def restore_bits(self, bits: dict) -> None:
+        for k, p in self.mats.items():
+            p.copy_(bits[k].to(p.device).float() * 2 - 1)
+
+    def state_dict(self) -> dict:
+        return {"counters": dict(self.counters), "bits": self.bits(),
+                "state": {k: {n: t.cpu() for n, t in st.items()} for k, st in self.state.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.counters = dict(sd["counters"])
+        self.restore_bits(sd["bits"])
+        for k, st in sd["state"].items():
+            dev = self.mats[k].device
+            self.state[k] = {n: t.to(dev) for n, t in st.items()}
+
+    def provenance(self) -> dict:
+        st = self.stats()
+        return {"optimizer": self.s.optimizer, "tau": self.s.tau, "eta0": self.eta0, "eta_final_multiplier": self.counters["eta_mul"],
+                "steps": self.counters["sign_steps"], "warm": self.s.warm, "hyst": self.s.hyst, "clamp": self.s.clamp, **st}

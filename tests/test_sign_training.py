@@ -1,0 +1,159 @@
+"""Sign training: η = 0 changes nothing, a toy problem that needs flips is solved, each guard fires,
+and kill-and-resume with signs on is bit-identical."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nvg import blr as codec
+from nvg.cmf import BLR, read_cmf
+from nvg.distributed import Group
+from nvg.errors import NvgError
+from nvg.model import BlrLinear
+from nvg.settings import from_json
+from nvg.sign_training import SignSettings, SignTrainer
+from nvg.train_student import lr_shape
+from tests.test_train_student import stage_inputs, train  # noqa: F401  (the fixture and the runner)
+
+SIGNS = {"enabled": True, "warm": 0}
+
+
+def bits(cmf) -> dict:
+    out = {}
+    for name, t in cmf.tensors.items():
+        if t.dtype == BLR:
+            p = codec.decode(bytes(t.data)).paths[0]
+            out[name] = (p.u_bits.copy(), p.v_bits.copy())
+    return out
+
+
+def test_eta_zero_flips_nothing_and_equals_frozen_sign_training(stage_inputs):  # noqa: F811
+    frozen = train(stage_inputs, "frozen", epochs=1)
+    still = train(stage_inputs, "eta0", epochs=1, signs={**SIGNS, "eta": 0.0})
+    prov = still.header["provenance"]["nvg_train"]["signs"]
+    assert prov["flips"] == 0 and prov["distinct"] == 0 and prov["eta0"] == 0.0
+    for name, t in frozen.tensors.items():
+        assert bytes(still.tensors[name].data) == bytes(t.data), name
+
+
+class OneLinear:
+    """The smallest model SignTrainer works on: one BLR linear under a body-linear name."""
+
+    def __init__(self, lin: BlrLinear):
+        self.lin = lin
+
+    def blr_linears(self):
+        return {"model.layers.0.mlp.up_proj.weight": self.lin}
+
+
+def toy(seed=0, d=32, r=16, flip=0.1):
+    """A target BLR weight and a student with the same scales whose signs differ in `flip` of the entries."""
+    rng = np.random.default_rng(seed)
+    su, sv = np.sign(rng.standard_normal((d, r))), np.sign(rng.standard_normal((r, d)))
+    h, g, ell = rng.uniform(0.5, 1.5, d), rng.uniform(0.5, 1.5, d), rng.uniform(0.5, 1.5, r)
+    target = BlrLinear(codec.BlrTensor.from_factors([(h, g, ell, su, sv)]))
+    wrong_u = np.where(rng.random(su.shape) < flip, -su, su)
+    wrong_v = np.where(rng.random(sv.shape) < flip, -sv, sv)
+    student = BlrLinear(codec.BlrTensor.from_factors([(h, g, ell, wrong_u, wrong_v)]))
+    for p in (*student.parameters(), *target.parameters()):
+        p.requires_grad_(False)
+    return target, student
+
+
+def run_toy(student, target, settings: SignSettings, steps: int, seed=1):
+    trainer = SignTrainer(OneLinear(student), settings, steps, Group())
+    x = torch.randn(256, student.g.shape[1], generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        y = target(x)
+    losses, notes = [], []
+    for step in range(1, steps + 1):
+        trainer.begin_step(lr_shape(step, steps), 1.0)
+        loss = (student(x) - y).pow(2).mean()
+        loss.backward()
+        info = trainer.end_step()
+        notes.append(trainer.flip_guard(info))
+        losses.append(float(loss.detach()))
+    return trainer, losses, [n for n in notes if n]
+
+
+@pytest.mark.parametrize("optimizer", ["factored", "plain"])
+def test_a_toy_problem_that_needs_flips_is_solved(optimizer):
+    target, student = toy()
+    wrong = int((student.su != target.su).sum() + (student.sv != target.sv).sum())
+    settings = SignSettings(enabled=True, optimizer=optimizer, eta=0.01, warm=2, max_step_flip=1.0, max_total_flip=1.0)
+    trainer, losses, _ = run_toy(student, target, settings, 400)
+    still_wrong = int((student.su != target.su).sum() + (student.sv != target.sv).sum())
+    assert wrong > 100 and still_wrong < 0.1 * wrong, (wrong, still_wrong)
+    assert losses[-1] < 0.05 * losses[0]
+    assert trainer.stats()["distinct"] > 0.8 * wrong
+
+
+def test_adam_moves_every_latent_at_the_same_speed_and_solves_less():
+    """Per-sign second moments make every latent move by about η per step, noise or not: on the toy it
+    lowers the loss but flips many correct bits too. This is why `factored` is the default."""
+    target, student = toy()
+    settings = SignSettings(enabled=True, optimizer="adam", eta=0.01, warm=2, max_step_flip=1.0, max_total_flip=1.0)
+    _, losses, _ = run_toy(student, target, settings, 400)
+    assert 0.05 * losses[0] < losses[-1] < losses[0]
+
+
+def test_the_flip_rate_guard_halves_eta_after_three_hot_steps():
+    target, student = toy()
+    settings = SignSettings(enabled=True, eta=0.5, warm=0, max_step_flip=1e-6, max_total_flip=1.0)
+    trainer, _, notes = run_toy(student, target, settings, 7)
+    assert notes and "flip rate" in notes[0]
+    assert trainer.counters["eta_mul"] < 1.0
+
+
+def test_the_total_flip_and_heldout_guards():
+    target, student = toy()
+    trainer, _, _ = run_toy(student, target, SignSettings(enabled=True, eta=0.5, warm=0, max_step_flip=1.0, max_total_flip=1e-4), 5)
+    notes = trainer.after_eval(heldout_kl=1.0, best_kl=1.0)
+    assert any("of signs flipped" in n for n in notes) and trainer.counters["eta_mul"] == 0.5
+    trainer.s.max_total_flip = 1.0
+    assert trainer.after_eval(heldout_kl=1.2, best_kl=1.0) == []  # above 1.05 × best once
+    assert trainer.after_eval(heldout_kl=1.0, best_kl=1.0) == []  # back under: the count restarts
+    trainer.after_eval(heldout_kl=1.2, best_kl=1.0)
+    notes = trainer.after_eval(heldout_kl=1.3, best_kl=1.0)
+    assert any("1.05× best twice" in n for n in notes) and trainer.counters["eta_mul"] == 0.25
+
+
+def test_guards_fire_in_a_training_run(stage_inputs, capsys):  # noqa: F811
+    out = train(stage_inputs, "guards", epochs=1, signs={**SIGNS, "eta": 0.5, "max_step_flip": 1e-6, "max_total_flip": 1e-6})
+    err = capsys.readouterr().err
+    assert "sign η halved" in err and "flip rate" in err and "of signs flipped" in err
+    prov = out.header["provenance"]["nvg_train"]["signs"]
+    assert prov["eta_final_multiplier"] < 1.0
+    assert set(prov["per_role"]) == {"q", "k", "v", "o", "gate", "up", "down"}
+    assert {"flipped_fraction", "churn", "saturated_fraction", "clamped_fraction"} <= set(prov)
+
+
+def test_exported_bits_are_the_best_snapshots(stage_inputs):  # noqa: F811
+    out = train(stage_inputs, "best", epochs=1, signs={**SIGNS, "eta": 0.3})
+    prov = out.header["provenance"]["nvg_train"]
+    student = read_cmf(stage_inputs / "student.cmf")
+    changed = sum(int((a[0] != b[0]).sum() + (a[1] != b[1]).sum()) for a, b in zip(bits(student).values(), bits(out).values()))
+    assert (changed > 0) == (prov["signs"]["distinct"] > 0)  # the written bits are the ones the stats describe
+    assert prov["heldout_kl_best"] <= prov["heldout_kl_start"]
+
+
+def test_resume_with_signs_is_bit_identical(stage_inputs):  # noqa: F811
+    kw = {"signs": {**SIGNS, "eta": 0.05, "optimizer": "factored"}}
+    whole = train(stage_inputs, "signs-whole", **kw).path.read_bytes()
+    train(stage_inputs, "signs-resumed", stop_after=5, **kw)
+    state = next((stage_inputs / "state-signs-resumed").glob("*/state.pt"))
+    assert torch.load(state, weights_only=False)["signs"]["counters"]["sign_steps"] == 4
+    assert train(stage_inputs, "signs-resumed", **kw).path.read_bytes() == whole
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"optimizer": "lion"}', "train.signs.optimizer: adam, factored or plain"),
+    ('{"hyst": 2.0}', "train.signs.hyst: must be in [0, tau"),
+    ('{"clamp": 0.5}', "train.signs.clamp: must be >= tau"),
+    ('{"typo": 1}', "train.signs.typo: unknown key"),
+])
+def test_bad_sign_settings(text, message):
+    with pytest.raises(NvgError, match=message.replace("[", r"\[")):
+        from_json(SignSettings, text, "train.signs")
