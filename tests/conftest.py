@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,23 @@ def tiny_stages(tiny_cmf, tiny_corpus, tmp_path_factory) -> Path:
     capture(tiny_cmf, d / "windows.h5", d / "grams.h5", GramSettings(fit_windows=16, sel_windows=8))
     encode(tiny_cmf, d / "grams.h5", d / "student.cmf", d / "student.json", EncodeSettings(bpw=2.0, device="cpu"))
     return d
+
+
+@pytest.fixture(scope="module")
+def stage_inputs(tiny_stages, tmp_path_factory):
+    """A private copy of the stage outputs: these tests write their runs beside them."""
+    d = tmp_path_factory.mktemp("train")
+    for name in ("windows.h5", "topk.0.h5", "student.cmf"):
+        shutil.copy(tiny_stages / name, d / name)
+    return d
+
+
+def train(d, name, **kw):
+    """Run train_student on the stage copy in `d`: outputs `<name>.cmf` and `<name>.jsonl`, state under `state-<name>`."""
+    from nvg.cmf import read_cmf
+    from nvg.train_student import TrainSettings, main
+
+    s = TrainSettings(**{"epochs": 2, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2,
+                         "state_root": str(d / f"state-{name}"), **kw})
+    main(d / "student.cmf", d / "windows.h5", [d / "topk.0.h5"], "tiny", d / f"{name}.cmf", d / f"{name}.jsonl", s)
+    return read_cmf(d / f"{name}.cmf")

@@ -15,7 +15,7 @@ from nvg.model import BlrLinear
 from nvg.settings import from_json
 from nvg.sign_training import SignSettings, SignTrainer
 from nvg.train_student import lr_shape
-from tests.test_train_student import stage_inputs, train  # noqa: F401  (the fixture and the runner)
+from tests.conftest import train
 
 SIGNS = {"enabled": True, "warm": 0}
 
@@ -29,7 +29,7 @@ def bits(cmf) -> dict:
     return out
 
 
-def test_eta_zero_flips_nothing_and_equals_frozen_sign_training(stage_inputs):  # noqa: F811
+def test_eta_zero_flips_nothing_and_equals_frozen_sign_training(stage_inputs):
     frozen = train(stage_inputs, "frozen", epochs=1)
     still = train(stage_inputs, "eta0", epochs=1, signs={**SIGNS, "eta": 0.0})
     prov = still.header["provenance"]["nvg_train"]["signs"]
@@ -120,7 +120,7 @@ def test_the_total_flip_and_heldout_guards():
     assert any("1.05× best twice" in n for n in notes) and trainer.counters["eta_mul"] == 0.25
 
 
-def test_guards_fire_in_a_training_run(stage_inputs, capsys):  # noqa: F811
+def test_guards_fire_in_a_training_run(stage_inputs, capsys):
     out = train(stage_inputs, "guards", epochs=1, signs={**SIGNS, "eta": 0.5, "max_step_flip": 1e-6, "max_total_flip": 1e-6})
     err = capsys.readouterr().err
     assert "sign η halved" in err and "flip rate" in err and "of signs flipped" in err
@@ -130,7 +130,7 @@ def test_guards_fire_in_a_training_run(stage_inputs, capsys):  # noqa: F811
     assert {"flipped_fraction", "churn", "saturated_fraction", "clamped_fraction"} <= set(prov)
 
 
-def test_exported_bits_are_the_best_snapshots(stage_inputs):  # noqa: F811
+def test_exported_bits_are_the_best_snapshots(stage_inputs):
     out = train(stage_inputs, "best", epochs=1, signs={**SIGNS, "eta": 0.3})
     prov = out.header["provenance"]["nvg_train"]
     student = read_cmf(stage_inputs / "student.cmf")
@@ -139,7 +139,7 @@ def test_exported_bits_are_the_best_snapshots(stage_inputs):  # noqa: F811
     assert prov["heldout_kl_best"] <= prov["heldout_kl_start"]
 
 
-def test_resume_with_signs_is_bit_identical(stage_inputs):  # noqa: F811
+def test_resume_with_signs_is_bit_identical(stage_inputs):
     kw = {"signs": {**SIGNS, "eta": 0.05, "optimizer": "factored"}}
     whole = train(stage_inputs, "signs-whole", **kw).path.read_bytes()
     train(stage_inputs, "signs-resumed", stop_after=5, **kw)

@@ -12,6 +12,7 @@ from nvg.errors import NvgError
 from nvg.model import load_model
 from nvg.settings import from_json
 from nvg.train_student import TrainSettings, lr_shape, main, trainable
+from tests.conftest import train
 
 
 def test_schedule_warms_up_then_cosines_to_zero():
@@ -20,24 +21,6 @@ def test_schedule_warms_up_then_cosines_to_zero():
     assert lr_shape(51, total) == pytest.approx(0.5, abs=0.02)
     assert lr_shape(100, total) == pytest.approx(0.0, abs=1e-12)
     assert lr_shape(1, 10) == 1.0  # warm-up is max(1, steps/50)
-
-
-@pytest.fixture(scope="module")
-def stage_inputs(tiny_stages, tmp_path_factory):
-    """A private copy of the stage outputs: these tests write their runs beside them."""
-    import shutil
-
-    d = tmp_path_factory.mktemp("train")
-    for name in ("windows.h5", "topk.0.h5", "student.cmf"):
-        shutil.copy(tiny_stages / name, d / name)
-    return d
-
-
-def train(d, name, **kw):
-    s = TrainSettings(**{"epochs": 2, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2,
-                         "state_root": str(d / f"state-{name}"), **kw})
-    main(d / "student.cmf", d / "windows.h5", [d / "topk.0.h5"], "tiny", d / f"{name}.cmf", d / f"{name}.jsonl", s)
-    return read_cmf(d / f"{name}.cmf")
 
 
 def test_only_scales_and_norm_gains_train(stage_inputs):
