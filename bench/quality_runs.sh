@@ -2,14 +2,14 @@
 # The comparisons of docs/training.md and docs/benchmarks.md at equal tokens, calling the step modules
 # directly (the device has no snakemake). Two phases, one device call each; a phase skips what exists.
 #   bash bench/quality_runs.sh prepare   teacher → windows, top-k, Grams, the student at $BPW; the encoder
-#                                        profile; training without signs, with signs (auto η, η = $SIGN_ETA)
+#                                        profile; training without signs and with signs (η = $SIGN_ETA)
 #   bash bench/quality_runs.sh more      DTG-MA keep 0.75 + the same training; 1 and 2 processes (DDP);
 #                                        evaluate every student
 # Needs $TEACHER (a .gguf, HF folder or .cmf) and $OUT; sizes from the variables below.
 set -euo pipefail
 W=${WORKDIR:-/root/w}; TOKENS=${TOKENS:-1048576}; WINDOW=${WINDOW:-512}; EVAL_WINDOWS=${EVAL_WINDOWS:-64}
-BPW=${BPW:-0.55}; BATCH=${BATCH:-8}; EPOCHS=${EPOCHS:-2}; LR=${LR:-0.002}; SIGN_ETA=${SIGN_ETA:-0.02}
-ALIGN=${ALIGN:-128}; DTGMA_STEPS=${DTGMA_STEPS:-300}; DDP_BATCH=${DDP_BATCH:-32}; DDP_STEPS=${DDP_STEPS:-60}
+BPW=${BPW:-0.55}; BATCH=${BATCH:-32}; EPOCHS=${EPOCHS:-2}; LR=${LR:-0.002}; SIGN_ETA=${SIGN_ETA:-0.05}
+ALIGN=${ALIGN:-128}; DTGMA_STEPS=${DTGMA_STEPS:-200}; DDP_BATCH=${DDP_BATCH:-32}; DDP_STEPS=${DDP_STEPS:-60}
 mkdir -p "$W" "$OUT"
 step() { echo "== $(date +%T) $*" | tee -a "$OUT/steps.log"; }
 train() {  # name student extra-settings-json
@@ -39,8 +39,7 @@ prepare)
   [[ -e $W/encoded.cmf ]] || { step "encode $BPW"; python -m nvg.budget_reencode --teacher "$W/teacher.cmf" --grams "$W/grams.h5" --out "$W/encoded.cmf" --report "$OUT/encode.json" --settings "{\"bpw\": $BPW}" 2> "$OUT/encode.log"; tail -1 "$OUT/encode.log"; }
   step "encoder profile"; python bench/encode_profile.py "$W/teacher.cmf" "$W/grams.h5" "$OUT/encode_profile.json" --layers 2 --bpw ${PROFILE_BPW:-1.0} > /dev/null
   train base "$W/encoded.cmf" ""
-  train signs-auto "$W/encoded.cmf" ', "signs": {"enabled": true}'
-  train signs-eta "$W/encoded.cmf" ", \"signs\": {\"enabled\": true, \"eta\": $SIGN_ETA}"
+  train signs "$W/encoded.cmf" ", \"signs\": {\"enabled\": true, \"eta\": $SIGN_ETA}"
   ;;
 more)
   [[ -e $W/masked.cmf ]] || { step "dtgma keep 0.75"; python -m nvg.dtgma_cut --student "$W/encoded.cmf" --windows "$W/windows.h5" --topk "$W/topk.0.h5" --out "$W/masked.cmf" \
@@ -56,7 +55,7 @@ more)
       2> "$OUT/train-ddp-$n.log"
     tail -2 "$OUT/train-ddp-$n.log"
   done
-  for name in base signs-auto signs-eta cut; do evaluate $name; done
+  for name in base signs cut; do [[ -e $W/$name.cmf ]] && evaluate $name; done
   ls -l "$W"/*.cmf | tee "$OUT/sizes.txt"
   ;;
 esac
