@@ -47,7 +47,7 @@ class EncodeSettings:
     kv_factor: float = 1.0
     rowweight: bool = False
     damp: float = 0.01
-    iters: int = 4
+    iters: int = 2
     device: str = "auto"
 
     def __post_init__(self):
