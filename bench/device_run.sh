@@ -11,7 +11,7 @@ python -m nvg.import_teacher --source "$TEACHER_GGUF" --out "$W/teacher.cmf"
 python -m nvg.tokenize_windows --teacher "$W/teacher.cmf" --out "$W/windows.h5" --settings \
   '{"sources": [{"path": "pkg:shksprdata/texts/*_gut.txt"}, {"path": "pkg:bible/data/kjv.jsonl"}], "tokens": 262144, "window": 512, "eval_windows": 32}'
 python -m nvg.teacher_topk --teacher "$W/teacher.cmf" --windows "$W/windows.h5" --shard 0 --out "$W/topk.0.h5" \
-  --settings '{"k": 64, "batch": 32}'
+  --settings '{"k": 64, "shards": 1, "batch": 32}'
 python -m nvg.gram_capture --model "$W/teacher.cmf" --windows "$W/windows.h5" --out "$W/grams.h5" \
   --settings '{"fit_windows": 128, "sel_windows": 64, "batch": 32}'
 python bench/encoder_study.py "$W/teacher.cmf" "$W/windows.h5" "$W/grams.h5" "$W" "$OUT/encoder_study.json" ${BPWS:+--bpw $BPWS}

@@ -34,7 +34,7 @@ prepare)
   [[ -e $W/teacher.cmf ]] || { step import; python -m nvg.import_teacher --source "$TEACHER" --out "$W/teacher.cmf"; }
   [[ -e $W/windows.h5 ]] || { step tokenize; python -m nvg.tokenize_windows --teacher "$W/teacher.cmf" --out "$W/windows.h5" --settings \
     "{\"sources\": [{\"path\": \"pkg:shksprdata/texts/*_gut.txt\"}, {\"path\": \"pkg:bible/data/kjv.jsonl\"}], \"tokens\": $TOKENS, \"window\": $WINDOW, \"eval_windows\": $EVAL_WINDOWS}"; }
-  [[ -e $W/topk.0.h5 ]] || { step topk; python -m nvg.teacher_topk --teacher "$W/teacher.cmf" --windows "$W/windows.h5" --shard 0 --out "$W/topk.0.h5" --settings '{"k": 64, "batch": 32}'; }
+  [[ -e $W/topk.0.h5 ]] || { step topk; python -m nvg.teacher_topk --teacher "$W/teacher.cmf" --windows "$W/windows.h5" --shard 0 --out "$W/topk.0.h5" --settings '{"k": 64, "shards": 1, "batch": 32}'; }
   [[ -e $W/grams.h5 ]] || { step grams; python -m nvg.gram_capture --model "$W/teacher.cmf" --windows "$W/windows.h5" --out "$W/grams.h5" --settings '{"fit_windows": 128, "sel_windows": 64, "batch": 32}'; }
   [[ -e $W/encoded.cmf ]] || { step "encode $BPW"; python -m nvg.budget_reencode --teacher "$W/teacher.cmf" --grams "$W/grams.h5" --out "$W/encoded.cmf" --report "$OUT/encode.json" --settings "{\"bpw\": $BPW}" 2> "$OUT/encode.log"; tail -1 "$OUT/encode.log"; }
   step "encoder profile"; python bench/encode_profile.py "$W/teacher.cmf" "$W/grams.h5" "$OUT/encode_profile.json" --layers 2 --bpw ${PROFILE_BPW:-1.0} > /dev/null

@@ -32,7 +32,7 @@ from nvg.train_student import Distiller, TrainSettings
 
 @dataclass
 class DtgmaSettings:
-    keep: float = 0.75
+    keep: float  # required: the rule runs only when dtgma.keep is set
     lr: float = 0.1
     tau: float = 0.5
     init: float = 2.0

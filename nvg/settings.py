@@ -27,6 +27,10 @@ def from_json(cls, text: str | dict, section: str):
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise NvgError(f"config {section}.{unknown[0]}: unknown key (known: {', '.join(sorted(fields))})")
+    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise NvgError(f"config {section}.{missing[0]}: required")
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
         _check_type(section, key, value, hints[key])

@@ -33,7 +33,7 @@ from nvg.tokenize_windows import read_windows
 @dataclass
 class TopkSettings:
     k: int = 64
-    shards: int = 1
+    shards: int = 2
     batch: int = 8
     device: str = "auto"
     precision: str = "bf16"

@@ -36,7 +36,7 @@ PYTHON_DOCS = "python-docs"
 @dataclass
 class WindowSettings:
     sources: list = field(default_factory=list)  # [{"path": str, "weight": float}]
-    tokens: int = 16384
+    tokens: int = 8192
     window: int = 256
     eval_windows: int = 8
     batch: int = 4

@@ -46,7 +46,7 @@ from nvg.tokenize_windows import read_windows
 
 @dataclass
 class TrainSettings:
-    epochs: int = 1
+    epochs: int = 2
     batch: int = 4
     lr: float = 1e-3
     clip: float = 1.0

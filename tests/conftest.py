@@ -111,7 +111,7 @@ def tiny_stages(tiny_cmf, tiny_corpus, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("stages")
     make_windows(tiny_cmf, d / "windows.h5", WindowSettings(sources=[{"path": str(tiny_corpus / "story.txt")}],
                                                             tokens=1536, window=32, eval_windows=8))
-    topk(tiny_cmf, d / "windows.h5", 0, d / "topk.0.h5", TopkSettings(k=8, batch=8))
+    topk(tiny_cmf, d / "windows.h5", 0, d / "topk.0.h5", TopkSettings(k=8, shards=1, batch=8))
     capture(tiny_cmf, d / "windows.h5", d / "grams.h5", GramSettings(fit_windows=16, sel_windows=8))
     encode(tiny_cmf, d / "grams.h5", d / "student.cmf", d / "student.json", EncodeSettings(bpw=2.0, device="cpu"))
     return d

@@ -320,3 +320,38 @@ def test_fuzz_plan_parser(lines):
     for _, _, bpw, _ in plan.layers:
         assert 0 < bpw <= 32
     assert np.isfinite([bpw for _, bpw, _ in plan.tensors]).all()
+
+
+@pytest.mark.parametrize("block, cls", [
+    ("data", "nvg.tokenize_windows.WindowSettings"), ("teacher_topk", "nvg.teacher_topk.TopkSettings"),
+    ("grams", "nvg.gram_capture.GramSettings"), ("encode", "nvg.budget_reencode.EncodeSettings"),
+    ("dtgma", "nvg.dtgma_cut.DtgmaSettings"), ("train", "nvg.train_student.TrainSettings"),
+    ("train.signs", "nvg.sign_training.SignSettings"), ("evaluate", "nvg.evaluate.EvalSettings"),
+])
+def test_step_module_defaults_equal_the_schema_defaults(block, cls):
+    """One default per setting: a step module run by hand behaves like the pipeline with that key unset."""
+    import dataclasses
+    import importlib
+
+    module, name = cls.rsplit(".", 1)
+    fields = {f.name: f for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+    node = SCHEMA_DOC
+    for part in block.split("."):
+        node = node["properties"][part]
+    compared = 0
+    for key, spec in node["properties"].items():
+        spec = SCHEMA_DOC["definitions"][spec["$ref"].rsplit("/", 1)[1]] if "$ref" in spec else spec
+        field = fields.get(key)
+        if field is None or "properties" in spec or field.default is dataclasses.MISSING:
+            continue
+        assert field.default == spec["default"], f"{block}.{key}: step module {field.default!r}, schema {spec['default']!r}"
+        compared += 1
+    assert compared >= 3
+
+
+def test_a_required_setting_left_out_is_named():
+    from nvg.dtgma_cut import DtgmaSettings
+    from nvg.settings import from_json
+
+    with pytest.raises(NvgError, match=r"config dtgma\.keep: required"):
+        from_json(DtgmaSettings, "{}", "dtgma")
