@@ -1,5 +1,6 @@
 """Encoder hot spots on random SmolLM2-shaped tensors (no teacher needed): torch.profiler over
-`encode_tensor`, and the U-sign sweep on the CPU against the same sweep as GPU tensor ops.
+`encode_tensor`, and the U-sign sweep three ways: the Triton kernel, numpy on the CPU, and the same
+sweep as device tensor ops (the encoder's earlier form).
 
     python bench/encode_profile_synthetic.py OUT.txt
 """
@@ -14,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nvg import budget_reencode as enc
+from nvg import sign_sweep
 
 
 def gpu_sweep(su, h, G, c):
@@ -58,7 +60,10 @@ def main():
     su = torch.sign(torch.randn(o, r, device=dev))
     h, M = torch.rand(o, device=dev), torch.randn(r, 576, device=dev)
     G, c = M @ M.T, torch.randn(o, r, device=dev) * 10
-    for name, fn in (("cpu float64 blocked sweep", enc.flip_u_signs), ("device tensor-op sweep", gpu_sweep)):
+    ways = [("numpy float64 sweep on the CPU", sign_sweep._sweep_cpu), ("device tensor-op sweep", gpu_sweep)]
+    if dev.type == "cuda" and sign_sweep.triton is not None:
+        ways.insert(0, ("Triton kernel", sign_sweep._sweep_cuda))
+    for name, fn in ways:
         fn(su, h, G, c)
         sync()
         t = time.perf_counter()

@@ -37,6 +37,7 @@ from nvg.gram_capture import read_grams
 from nvg.model import ROLE_INPUT, parse_body_linear, pick_device
 from nvg.plan import read_plan
 from nvg.settings import check, from_json
+from nvg.sign_sweep import flip_u_signs
 
 
 @dataclass
@@ -144,34 +145,6 @@ def refine_path(f, target, H, rho, iters: int):
         mmh = mm @ H
         su = flip_u_signs(su, h, mmh @ mm.T, TH @ mm.T)
     return [h, ell, g, su, sv]
-
-
-def flip_u_signs(su: torch.Tensor, h: torch.Tensor, G: torch.Tensor, c: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """One exact coordinate-descent sweep over the columns of S_U [o, r]: flip s_ok wherever that lowers
-    h_o² sᵀ G s − 2 h_o sᵀ c_o, column after column.
-
-    Runs on the CPU in float64 whatever the device: the sweep is r dependent steps of O(o) work, which
-    on a GPU is kernel-launch bound (0.59 s a tensor measured on an H200). The running product G s is
-    kept exactly for the current block of columns only and brought up to date for all columns with one
-    matrix product per block, so a step costs O(o · block) instead of O(o · r)."""
-    # column-major copies ([r, o]): a sweep step reads and writes one contiguous row
-    st = np.ascontiguousarray(su.double().cpu().numpy().T)
-    ct = np.ascontiguousarray(c.double().cpu().numpy().T)
-    hh, G64 = h.double().cpu().numpy(), G.double().cpu().numpy()
-    h2x4, hx4 = 4 * hh * hh, 4 * hh
-    gst = G64 @ st  # [r, o]: (G s) of every row, transposed (G is symmetric)
-    for start in range(0, st.shape[0], block):
-        cols = slice(start, min(start + block, st.shape[0]))
-        before = st[cols].copy()
-        local = gst[cols].copy()  # exact within the block
-        for j, k in enumerate(range(cols.start, cols.stop)):
-            sk = st[k]
-            change = np.where(h2x4 * (G64[k, k] - sk * local[j]) + hx4 * sk * ct[k] < 0, -2 * sk, 0.0)
-            local += G64[cols, k][:, None] * change[None, :]
-            st[k] += change
-        gst += G64[:, cols] @ (st[cols] - before)
-    s = st.T
-    return torch.from_numpy(s).to(su.device, su.dtype)
 
 
 def damped(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
