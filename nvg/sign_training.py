@@ -112,6 +112,12 @@ class SignTrainer:
     def bytes_per_sign(self) -> int:
         return BYTES_PER_SIGN[self.s.optimizer] + 1
 
+    def describe(self) -> str:
+        s = self.s
+        return (f"sign training: {self.live} signs in {len(self.mats)} matrices, optimizer {s.optimizer} "
+                f"({self.bytes_per_sign} B/sign state ≈ {self.live * self.bytes_per_sign / 1e9:.2f} GB), τ {s.tau}, "
+                f"η0 {self.eta0:.3e}{' (auto min(0.15·τ/√steps, 4e-3·τ))' if s.eta is None else ''}, warm {s.warm} sign steps")
+
     def begin_step(self, shape: float, gscale: float) -> float:
         """Set η for the coming backward pass from the schedule shape; returns it."""
         c = self.counters

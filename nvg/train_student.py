@@ -196,10 +196,7 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
     opt = torch.optim.Adam(list(d.params.values()), lr=s.lr, betas=(0.9, 0.999), eps=1e-8)
     if s.signs.enabled:
         d.signs = SignTrainer(model, s.signs, total, group)
-        gb = d.signs.live * d.signs.bytes_per_sign / 1e9
-        say(f"sign training: {d.signs.live} signs in {len(d.signs.mats)} matrices, optimizer {s.signs.optimizer} "
-            f"({d.signs.bytes_per_sign} B/sign state ≈ {gb:.2f} GB), τ {s.signs.tau}, η0 {d.signs.eta0:.3e}"
-            f"{' (auto min(0.15·τ/√steps, 4e-3·τ))' if s.signs.eta is None else ''}, warm {s.signs.warm} sign steps")
+        say(d.signs.describe())
     state_dir = Path(s.state_root) / state_key([student, windows, *topk], s)
     state_file = state_dir / "state.pt"
     if state_file.exists():
