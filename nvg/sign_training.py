@@ -207,22 +207,27 @@ class SignTrainer:
             "per_role": {r: a[0] / a[1] for r, a in per_role.items() if a[1]},
         }
 
-    def after_eval(self, heldout_kl: float, best_kl: float) -> list[str]:
-        """The two evaluation guards; returns what they did."""
-        c, s, notes = self.counters, self.s, []
-        frac = self.stats()["flipped_fraction"]
-        if frac > s.max_total_flip:
+    def after_eval(self, heldout_kl: float, best_kl: float) -> tuple[dict, list[str]]:
+        """At an evaluation: the statistics (for the eval log) and the progress lines, after the two
+        evaluation guards have had their say."""
+        c, s = self.counters, self.s
+        stats = self.stats()
+        roles = ", ".join(f"{r} {100 * f:.2f}%" for r, f in stats["per_role"].items())
+        lines = [f"signs: {100 * stats['flipped_fraction']:.3f}% flipped ({stats['distinct']}), churn {stats['churn']:.2f}, "
+                 f"saturated {stats['saturated_fraction']:.2e}, clamped {stats['clamped_fraction']:.2e} of sign updates; {roles}"]
+        if stats["flipped_fraction"] > s.max_total_flip:
             c["eta_mul"] *= 0.5
-            notes.append(f"guard: {100 * frac:.2f}% of signs flipped > {100 * s.max_total_flip:.1f}% — sign η halved (×{c['eta_mul']})")
+            lines.append(f"guard: {100 * stats['flipped_fraction']:.2f}% of signs flipped > {100 * s.max_total_flip:.1f}% "
+                         f"— sign η halved (×{c['eta_mul']})")
         if heldout_kl > 1.05 * best_kl:
             c["bad_evals"] += 1
             if c["bad_evals"] >= 2:
                 c["eta_mul"] *= 0.5
                 c["bad_evals"] = 0
-                notes.append(f"guard: held-out KL above 1.05× best twice — sign η halved (×{c['eta_mul']})")
+                lines.append(f"guard: held-out KL above 1.05× best twice — sign η halved (×{c['eta_mul']})")
         else:
             c["bad_evals"] = 0
-        return notes
+        return {k: v for k, v in stats.items() if k != "flips"}, lines
 
     def bits(self) -> dict:
         """The current bits, 1 byte per sign (for the best snapshot)."""

@@ -275,13 +275,10 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
                 say(f"  step {st['done']}: held-out KL {e:.5f} (best {min(e, st['best_kl']):.5f} at "
                     f"{st['done'] if e < st['best_kl'] else st['best_step']})")
                 if d.signs:
-                    stats = d.signs.stats()
-                    evaluation.update({k: v for k, v in stats.items() if k != "flips"})
-                    roles = ", ".join(f"{r} {100 * f:.2f}%" for r, f in stats["per_role"].items())
-                    say(f"    signs: {100 * stats['flipped_fraction']:.3f}% flipped ({stats['distinct']}), churn {stats['churn']:.2f}, "
-                        f"saturated {stats['saturated_fraction']:.2e}, clamped {stats['clamped_fraction']:.2e} of sign updates; {roles}")
-                    for note in d.signs.after_eval(e, st["best_kl"]):
-                        say(f"    {note}")
+                    fields, lines = d.signs.after_eval(e, st["best_kl"])
+                    evaluation.update(fields)
+                    for line in lines:
+                        say(f"    {line}")
                 if e < st["best_kl"]:
                     st["best_kl"], st["best_step"], st["best"] = e, st["done"], d.snapshot()
                 st["evals"].append(evaluation)
