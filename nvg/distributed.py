@@ -48,10 +48,6 @@ class Group:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
 
 def start(device: torch.device) -> Group:
     """Join the torchrun group (NCCL on GPUs, gloo on the CPU), or a group of one without torchrun."""

@@ -136,13 +136,9 @@ def check_gguf(path: Path) -> None:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        gguf.GGUFReader(path)  # maps every tensor: data cut short fails here
     except (ValueError, struct.error, IndexError, OSError) as e:
         raise NvgError(f"{path}: not a readable GGUF (truncated or corrupt): {e}") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise NvgError(f"{path}: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, the file has {size}: truncated")
 
 
 def load_gguf(path: Path) -> TeacherSource:

@@ -116,3 +116,25 @@ def test_plan_error_comes_before_any_model_is_read(tmp_path):
         main(tmp_path / "missing-teacher.cmf", tmp_path / "g.h5", tmp_path / "o.cmf", tmp_path / "o.json",
              EncodeSettings(), plan_path=plan)
     assert not (tmp_path / "o.cmf").exists()
+
+
+@pytest.mark.parametrize("o, r", [(300, 64), (97, 40), (16, 8)])
+def test_blocked_cpu_sign_sweep_equals_the_plain_sweep(o, r):
+    """The CPU sweep keeps G·s exact only per block of columns; it must flip exactly what the plain
+    column-by-column sweep flips (the CUDA kernel is checked against it on the device)."""
+    import torch
+
+    from nvg.sign_sweep import flip_u_signs
+
+    g = torch.Generator().manual_seed(o)
+    su = torch.sign(torch.randn(o, r, generator=g)).double()
+    h, M = torch.rand(o, generator=g).double(), torch.randn(r, 50, generator=g).double()
+    G, c = M @ M.T, torch.randn(o, r, generator=g).double() * 10
+    plain, gs = su.clone(), su @ G
+    for k in range(r):
+        sk = plain[:, k].clone()
+        flip = 4 * h * h * (G[k, k] - sk * gs[:, k]) + 4 * h * sk * c[:, k] < 0
+        gs -= (2 * sk * flip)[:, None] * G[k][None, :]
+        plain[:, k] = torch.where(flip, -sk, sk)
+    assert (plain != su).any()
+    assert torch.equal(flip_u_signs(su, h, G, c), plain)
