@@ -133,23 +133,25 @@ class SignTrainer:
         p.grad = None
         if self.group.world > 1:
             g = self.group.sum(g) / self.group.world
+        # A matrix with a non-finite gradient is left as it is. The test stays on the device (`w` is 0 or 1):
+        # an `if` on it would stall the backward pass on a host sync once per sign matrix.
         bad = ~torch.isfinite(g)
-        if bad.any():
-            self._step["nonfinite"] += bad.sum()
-            return
+        self._step["nonfinite"] += bad.sum()
+        any_bad = bad.any()
+        w = (~any_bad).to(g.dtype)
         s, st = self.s, self.state[key]
-        g = g * (2.0 / s.tau / self.gscale)  # straight through with surrogate slope 2/τ
+        g = torch.where(any_bad, 0.0, g) * (2.0 / s.tau / self.gscale)  # straight through, surrogate slope 2/τ
         t = self.counters["sign_steps"] + 1
         if s.optimizer == "adam":
-            st["m"].lerp_(g, 1 - s.b1)
-            st["v"].mul_(s.b2).addcmul_(g, g, value=1 - s.b2)
+            st["m"].lerp_(g, (1 - s.b1) * w)
+            st["v"].mul_(1 - (1 - s.b2) * w).addcmul_(g, g, value=1 - s.b2)
             u = (st["m"] / (1 - s.b1**t)) / ((st["v"] / (1 - s.b2**t)).sqrt() + s.eps)
         elif s.optimizer == "factored":
-            m = st["m"].float().lerp_(g, 1 - s.b1)
+            m = st["m"].float().lerp_(g, (1 - s.b1) * w)
             st["m"].copy_(m)
             g2 = g * g
-            st["v_row"].mul_(s.b2).add_(g2.mean(-1), alpha=1 - s.b2)
-            st["v_col"].mul_(s.b2).add_(g2.mean(-2), alpha=1 - s.b2)
+            st["v_row"].mul_(1 - (1 - s.b2) * w).add_(g2.mean(-1), alpha=1 - s.b2)
+            st["v_col"].mul_(1 - (1 - s.b2) * w).add_(g2.mean(-2), alpha=1 - s.b2)
             v = st["v_row"].unsqueeze(-1) * st["v_col"].unsqueeze(-2) / st["v_row"].mean(-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)
             u = (m / (1 - s.b1**t)) / ((v / (1 - s.b2**t)).sqrt() + s.eps)
         else:
@@ -157,7 +159,7 @@ class SignTrainer:
         if self.eta == 0.0:
             return
         z = st["z"]
-        step = -self.eta * u
+        step = -self.eta * w * u
         self._step["saturated"] += ((z.abs() >= s.clamp) & (step * z > 0)).sum()  # pushing past the clamp: no effect
         z.add_(step)
         self._step["clamped"] += (z.abs() > s.clamp).sum()

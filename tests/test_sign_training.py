@@ -99,6 +99,25 @@ def test_adam_moves_every_latent_at_the_same_speed_and_solves_less():
     assert 0.05 * losses[0] < losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "factored", "plain"])
+def test_a_non_finite_sign_gradient_leaves_the_matrix_as_it_was(optimizer):
+    target, student = toy()
+    settings = SignSettings(enabled=True, optimizer=optimizer, eta=0.05, warm=0, max_step_flip=1.0, max_total_flip=1.0)
+    trainer, _, _ = run_toy(student, target, settings, 3)
+    before = {k: {n: t.clone() for n, t in st.items()} for k, st in trainer.state.items()}
+    bits = trainer.bits()
+    trainer.begin_step(1.0, 1.0)
+    x = torch.randn(4, student.g.shape[1])
+    x[0, 0] = float("inf")
+    (student(x) - target(x)).pow(2).mean().backward()
+    step = trainer.end_step()
+    assert step["nonfinite"] > 0 and step["flips"] == 0
+    assert all(torch.equal(bits[k], b) for k, b in trainer.bits().items())
+    for key, st in trainer.state.items():
+        for name, t in st.items():
+            assert torch.equal(t, before[key][name]), (key, name)
+
+
 def test_the_flip_rate_guard_halves_eta_after_three_hot_steps():
     target, student = toy()
     settings = SignSettings(enabled=True, eta=0.5, warm=0, max_step_flip=1e-6, max_total_flip=1.0)
