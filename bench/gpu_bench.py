@@ -1,11 +1,21 @@
-"""nvg's side of the GPU benchmark (docs/benchmarks.md): run in the same call as ../shared/tools/hf_baseline.py.
+"""GPU benchmark (docs/benchmarks.md): nvg and plain transformers side by side, in one process, one GPU.
 
-1. teacher pass: nvg's teacher_topk path (bf16 model, chunked LM head + log-softmax + top-64), tokens/s and peak memory
-2. distillation step: nvg's train_student path on a BLR student at 1 bpw (P = 2, rank from the budget),
-   KL to cached top-64 in chunks, Adam on h, ℓ, g and norm gains; tokens/s and peak memory
-3. model FLOP utilisation of both against the measured bf16 matmul rate
+For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-shaped model, on
+2048-token windows in bf16:
 
-    python bench/gpu_bench.py TEACHER.cmf OUT.json [--compile]
+1. teacher pass, tokens/s and peak memory of forward + log-softmax + top-64.
+   nvg: teacher_topk's path (compiled blocks; LM head, log-sum-exp and two-stage top-k in compiled
+   4096-token blocks). Baseline: `model(x).logits`, float32 softmax, topk, as in
+   ../shared/tools/hf_baseline.py.
+2. distillation step, tokens/s and peak memory. nvg: `Distiller.step` of train_student (the pipeline's
+   step: batch from host arrays, bf16 autocast, compiled checkpointed blocks, chunked KL to the
+   cached top-64, gradient norm and clip, fused Adam on h, ℓ, g and the norm gains) on a BLR student
+   at 1 bpw (P = 2). Baseline: the dense student, full float32 logits, log-softmax, gather, KL, Adam on
+   every weight, as in hf_baseline.py.
+3. model FLOP utilisation of both against the bf16 matmul rate measured in the same run (forward
+   FLOPs, ×3 for a training step; causal attention counted; recomputation not counted).
+
+    python bench/gpu_bench.py --teacher teacher.cmf --out bench.json
 """
 
 from __future__ import annotations
@@ -16,18 +26,22 @@ import time
 
 import numpy as np
 import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from nvg import blr as codec
-from nvg.cmf import read_cmf
-from nvg.losses import topk_kl, topk_logprobs
-from nvg.model import ModelConfig, build_model, flops_per_token, load_model, parse_body_linear
-from nvg.train_student import trainable
+from nvg.losses import topk_logprobs
+from nvg.model import ModelConfig, build_model, compile_blocks, flops_per_token, load_model, parse_body_linear
+from nvg.train_student import Distiller, TrainSettings
 
 WINDOW = 2048
+LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                       num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       max_position_embeddings=131072, tie_word_embeddings=True)
 
 
-def timed(fn, iters):
-    fn()
+def timed(fn, iters: int) -> float:
+    fn()  # warm-up (and compilation)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(iters):
@@ -36,93 +50,161 @@ def timed(fn, iters):
     return (time.perf_counter() - t) / iters
 
 
-def random_blr(d_out, d_in, bpw, rng):
+def measure(fn, tokens: int, flops_per_tok: float, iters: int) -> dict:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        s = timed(fn, iters)
+    except torch.OutOfMemoryError:
+        return {"error": "out of memory"}
+    return {"tok_s": round(tokens / s), "peak_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+            "TFLOP_s": round(flops_per_tok * tokens / s / 1e12, 1)}
+
+
+def attention_flops(cfg: ModelConfig) -> float:
+    """Causal attention per token, forward: QKᵀ and PV over half the window on average."""
+    return 4.0 * cfg.num_layers * (WINDOW / 2) * cfg.num_heads * cfg.head_dim
+
+
+def blr_flops_per_token(model) -> float:
+    """Forward matmul FLOPs per token of a BLR model: 2·P·r·(d_in + d_out) per linear, plus the LM head."""
+    total = sum(2 * m.h.shape[0] * m.rank * (m.h.shape[1] + m.g.shape[1]) for m in model.blr_linears().values())
+    return total + 2 * model.head_weight.numel()
+
+
+def hf_model(cfg: ModelConfig, state: dict | None) -> LlamaForCausalLM:
+    """The plain-transformers twin of a model: the same config, the same weights (random when `state` is None)."""
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                         rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+                         tie_word_embeddings=cfg.tie_word_embeddings, attn_implementation="sdpa")
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hf_cfg).to(torch.bfloat16)
+    if state is not None:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise SystemExit(f"weights do not fit the transformers model: missing {missing}, unexpected {unexpected}")
+        model.tie_weights()
+    return model.eval()
+
+
+def random_blr(d_out: int, d_in: int, bpw: float, rng) -> codec.BlrTensor:
     r = codec.max_rank(bpw, 2, d_out, d_in)
     return codec.BlrTensor.from_factors([
         (rng.uniform(0.5, 1.5, d_out) * 0.05, rng.uniform(0.5, 1.5, d_in), rng.uniform(0.5, 1.5, r) * 0.05,
          rng.choice([-1.0, 1.0], (d_out, r)), rng.choice([-1.0, 1.0], (r, d_in))) for _ in range(2)])
 
 
-def student_like(cfg: ModelConfig, dense_get, bpw: float):
-    """The teacher's dense tensors with every body linear replaced by a BLR tensor at `bpw` (P = 2)."""
+def blr_student(cfg: ModelConfig, dense: dict, bpw: float):
+    """The teacher's tensors with every body linear replaced by a BLR tensor at `bpw` (P = 2)."""
     rng = np.random.default_rng(0)
-
-    def get(name):
-        t = dense_get(name)
-        if t is not None and parse_body_linear(name):
-            return random_blr(t.shape[0], t.shape[1], bpw, rng)
-        return t
-
-    return build_model(cfg, get)
+    return build_model(cfg, lambda n: random_blr(*dense[n].shape, bpw, rng) if n in dense and parse_body_linear(n)
+                       else dense.get(n))
 
 
-def blr_flops_per_token(model) -> float:
-    """Forward matmul FLOPs per token of a BLR model: 2·P·r·(d_in + d_out) per linear, plus the LM head."""
-    total = 0.0
-    for lin in model.blr_linears().values():
-        p, r = lin.h.shape[0], lin.rank
-        total += 2 * p * r * (lin.h.shape[1] + lin.g.shape[1])
-    return total + 2 * model.head_weight.numel()
+def baseline_teacher_pass(model, x):
+    with torch.no_grad():
+        logits = model(x).logits
+        p = torch.softmax(logits.float(), -1)
+        return torch.topk(p, 64, dim=-1)
+
+
+def baseline_step(student, opt, x, t_ids, t_p):
+    ls = torch.log_softmax(student(x).logits.float(), -1)
+    lq = ls.gather(-1, t_ids)
+    loss = (t_p * (t_p.clamp_min(1e-20).log() - lq)).sum(-1).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def bench_model(name: str, cfg: ModelConfig, teacher, teacher_batches, step_batches, iters: int,
+                keep_activations: bool = False) -> dict:
+    """`teacher`: nvg's float32 teacher on the GPU. Returns this model's rows."""
+    rows: dict = {}
+    say = lambda: print(name, json.dumps(rows), flush=True)  # noqa: E731
+    fpt = flops_per_token(cfg) + attention_flops(cfg)
+    dense = {n: p.detach().float().cpu() for n, p in teacher.state_dict().items()}
+    # teacher pass: nvg (teacher_topk's model preparation and LM-head function)
+    nvg_teacher = compile_blocks(teacher.to(torch.bfloat16).eval())
+    for b in teacher_batches:
+        x = torch.randint(0, cfg.vocab_size, (b, WINDOW), device="cuda")
+
+        def nvg_pass():
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                return topk_logprobs(nvg_teacher.hidden(x), nvg_teacher.head_weight, 64)
+
+        rows[f"teacher pass, batch {b}: nvg"] = measure(nvg_pass, b * WINDOW, fpt, iters)
+        say()
+    # the distillation targets of both sides, from the same teacher; then the teacher leaves the GPU
+    targets = {}
+    for b in step_batches:
+        tokens = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, WINDOW), dtype=np.int64)
+        x = torch.from_numpy(tokens).cuda()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            t_ids, t_logp = topk_logprobs(nvg_teacher.hidden(x), nvg_teacher.head_weight, 64)
+            t_p, t_full_ids = torch.topk(torch.softmax(nvg_teacher(x).float(), -1), 64, dim=-1)
+        targets[b] = (tokens, t_ids.cpu().numpy(), t_logp.half().cpu().numpy(), x, t_full_ids, t_p / t_p.sum(-1, keepdim=True))
+    nvg_teacher.to("cpu")
+    # plain transformers with the same weights: teacher pass, then the dense distillation step
+    hf = hf_model(cfg, {n: t.to(torch.bfloat16) for n, t in dense.items()})
+    for b in teacher_batches:
+        x = torch.randint(0, cfg.vocab_size, (b, WINDOW), device="cuda")
+        rows[f"teacher pass, batch {b}: transformers"] = measure(lambda: baseline_teacher_pass(hf, x), b * WINDOW, fpt, iters)
+        say()
+    hf.train()
+    opt = torch.optim.Adam(hf.parameters(), lr=1e-5)
+    for b in step_batches:
+        _, _, _, x, t_ids, t_p = targets[b]
+        rows[f"distillation step, batch {b}: transformers (dense)"] = measure(
+            lambda: baseline_step(hf, opt, x, t_ids, t_p), b * WINDOW, 3 * fpt, max(2, iters // 2))
+        say()
+    hf = opt = None  # frees the dense model before the student is measured
+    targets = {b: t[:3] for b, t in targets.items()}
+    # nvg: a BLR student at 1 bpw through train_student's own step
+    student = compile_blocks(blr_student(cfg, dense, 1.0).cuda())
+    rows["student body bpw"] = round(float(np.mean([codec.bits_per_weight(2, m.rank, m.h.shape[1], m.g.shape[1])
+                                                    for m in student.blr_linears().values()])), 3)
+    sfpt = blr_flops_per_token(student) + attention_flops(cfg)
+    for b in step_batches:
+        d = Distiller(student, *targets[b], b, TrainSettings(batch=b, device="cuda"), torch.device("cuda"))
+        opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
+        rows[f"distillation step, batch {b}: nvg (BLR 1 bpw)"] = measure(
+            lambda: d.step(list(range(b)), opt, 1.0, 1.0), b * WINDOW, 3 * sfpt, max(2, iters // 2))
+        say()
+    if keep_activations:  # the other end of train.recompute_every: no block recomputed
+        b = step_batches[-1]
+        d = Distiller(student, *targets[b], b, TrainSettings(batch=b, device="cuda", recompute_every=0), torch.device("cuda"))
+        opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
+        rows[f"distillation step, batch {b}: nvg (BLR 1 bpw), recompute_every 0"] = measure(
+            lambda: d.step(list(range(b)), opt, 1.0, 1.0), b * WINDOW, 3 * sfpt, max(2, iters // 2))
+        say()
+    rows["forward FLOPs per token"] = {"teacher": fpt, "BLR student": sfpt}
+    return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("teacher")
-    ap.add_argument("out")
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--teacher", required=True, help="the real teacher as a CMF (nvg import-teacher)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iters", type=int, default=6)
     a = ap.parse_args()
-    dev = torch.device("cuda")
-    out = {"model": a.teacher, "window": WINDOW, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
-    cmf = read_cmf(a.teacher)
-    cfg = ModelConfig.from_arch(cmf.arch)
-    teacher = load_model(cmf, dev)
-    dense = {n: p.detach().float().cpu() for n, p in teacher.state_dict().items()}
-    teacher = teacher.to(torch.bfloat16).eval()
-    fpt = flops_per_token(cfg) + 4 * cfg.num_layers * WINDOW / 2 * cfg.num_heads * cfg.head_dim  # + causal attention
-    for B in (8, 32):
-        x = torch.randint(0, cfg.vocab_size, (B, WINDOW), device=dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-        def teacher_pass():
-            with torch.no_grad():
-                return topk_logprobs(teacher.hidden(x), teacher.head_weight, 64)
-
-        s = timed(teacher_pass, 5)
-        out[f"teacher_topk_B{B}_tok_s"] = B * WINDOW / s
-        out[f"teacher_topk_B{B}_peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
-        out[f"teacher_topk_B{B}_TFLOPs"] = fpt * B * WINDOW / s / 1e12
-    # the BLR student at 1 bpw
-    student = student_like(cfg, lambda n: dense.get(n), 1.0)
-    student = student.to(dev)
-    student.model.embed_tokens.weight.data = student.model.embed_tokens.weight.data.to(torch.bfloat16)
-    params = trainable(student)
-    out["student_body_bpw"] = float(np.mean([codec.bits_per_weight(2, m.rank, m.h.shape[1], m.g.shape[1])
-                                             for m in student.blr_linears().values()]))
-    opt = torch.optim.Adam(list(params.values()), lr=1e-4, fused=True)
-    sfpt = blr_flops_per_token(student) + 4 * cfg.num_layers * WINDOW / 2 * cfg.num_heads * cfg.head_dim
-    hidden_fn = torch.compile(student.hidden) if a.compile else student.hidden
-    for B in (8, 16):
-        x = torch.randint(0, cfg.vocab_size, (B, WINDOW), device=dev)
-        with torch.no_grad():
-            t_ids, t_logp = topk_logprobs(teacher.hidden(x), teacher.head_weight, 64)
-        t_logp = t_logp.half()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = topk_kl(hidden_fn(x), student.head_weight, t_ids, t_logp) / x.numel()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        s = timed(step, 3)
-        out[f"distill_step_blr1bpw_B{B}_tok_s"] = B * WINDOW / s
-        out[f"distill_step_blr1bpw_B{B}_peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
-        out[f"distill_step_blr1bpw_B{B}_TFLOPs"] = 3 * sfpt * B * WINDOW / s / 1e12
-    out["teacher_flops_per_token"] = fpt
-    out["student_flops_per_token"] = sfpt
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "window": WINDOW, "date": time.strftime("%Y-%m-%d")}
+    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    out["bf16_matmul_TFLOP_s"] = round(2 * 8192 ** 3 / timed(lambda: m @ m, 10) / 1e12, 1)
+    m = None
+    smol = load_model(a.teacher, "cuda")
+    out["SmolLM2-135M"] = bench_model("SmolLM2-135M", smol.cfg, smol, (8, 32), (8, 16), a.iters, keep_activations=True)
+    del smol
+    torch.manual_seed(0)
+    big = hf_model(LLAMA_1B, None)  # random weights with transformers' initialisation
+    state = {n: p.detach().float() for n, p in big.state_dict().items() if n != "lm_head.weight"}
+    del big
+    llama = build_model(LLAMA_1B, state.get).cuda()
+    del state
+    out["Llama-3.2-1B-shaped (random)"] = bench_model("Llama-1B", LLAMA_1B, llama, (8, 32), (8,), a.iters)
     print(json.dumps(out, indent=1))
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)

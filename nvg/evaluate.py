@@ -26,7 +26,7 @@ from nvg.cli import bits_summary
 from nvg.cmf import read_cmf
 from nvg.errors import exits_cleanly
 from nvg.losses import full_kl_and_agreement, next_token_nll, topk_kl
-from nvg.model import autocast, load_model, pick_device
+from nvg.model import autocast, compile_blocks, load_model, pick_device
 from nvg.settings import check, from_json
 from nvg.teacher_topk import read_topk
 from nvg.tokenize_windows import ChatRenderer, read_windows, source_tokens
@@ -95,7 +95,7 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
     t_ids, t_logp = read_topk(topk, len(tokens))
     device = pick_device(settings.device)
     cmfs = {"teacher": read_cmf(teacher), "encoded": read_cmf(encoded), "final": read_cmf(final)}
-    models = {n: load_model(c, device) for n, c in cmfs.items()}
+    models = {n: compile_blocks(load_model(c, device)) for n, c in cmfs.items()}
     report = {"heldout": score(models, tokens[n_train:], t_ids[n_train:], t_logp[n_train:], settings, device)}
     if settings.ood:
         from tokenizers import Tokenizer

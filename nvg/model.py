@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from nvg import blr as blr_codec
 from nvg.cmf import BLR, CmfFile, read_cmf, tensor_to_numpy
@@ -97,11 +98,14 @@ class DenseLinear(nn.Module):
 
 
 class BlrLinear(nn.Module):
-    """y = Σ_p h_p ⊙ (S_U,p · (ℓ_p ⊙ (S_V,p · (g_p ⊙ x)))): two skinny matmuls per path, W never formed.
+    """y = x · Wᵀ with W = Σ_p diag(h_p) · S_U,p · diag(ℓ_p) · S_V,p · diag(g_p), W never formed.
 
-    Fast because the cost is r·(d_in + d_out) per token instead of d_in·d_out (r ≪ d), the ±1 signs
-    are exact in bf16 so both GEMMs run on tensor cores, and the scales are elementwise ops that
-    autocast fuses into the matmul epilogues under torch.compile."""
+    Fast because the scales are folded into the two sign factors before they meet the activations:
+    A = [diag(ℓ_p) S_V,p diag(g_p)]_p (stacked to [P·r, d_in]) and B = [diag(h_p) S_U,p]_p ([d_out, P·r])
+    cost weight-sized work, after which the tokens see exactly two GEMMs, y = (x Aᵀ) Bᵀ, on tensor
+    cores (±1 is exact in bf16), and no activation-sized elementwise op at all. Backward is then
+    three GEMM pairs (input, A and B gradients) and the scale gradients are weight-sized reductions.
+    The cost is r·P·(d_in + d_out) multiply-adds per token, about d_in·d_out at 1 bpw."""
 
     def __init__(self, payload: blr_codec.BlrTensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -121,11 +125,10 @@ class BlrLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        y = None
-        for p in range(self.h.shape[0]):
-            t = F.linear(x * self.g[p].to(dt), self.sv[p].to(dt)) * self.ell[p].to(dt)
-            yp = F.linear(t, self.su[p].to(dt)) * self.h[p].to(dt)
-            y = yp if y is None else y + yp
+        paths, rank = self.ell.shape
+        a = (self.sv * (self.ell[:, :, None] * self.g[:, None, :])).to(dt).reshape(paths * rank, self.g.shape[1])
+        b = (self.su * self.h[:, :, None]).to(dt).permute(1, 0, 2).reshape(self.h.shape[1], paths * rank)
+        y = F.linear(F.linear(x, a), b)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def dense_weight(self) -> torch.Tensor:
@@ -193,7 +196,14 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, linears, norms)
         self.mlp = MLP(linears)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, recompute: bool = False):
+        """`recompute`: keep only this block's input for backward and run it again there (activation
+        checkpointing): the saved activations of a layer shrink from ~20 vectors per token to one."""
+        if recompute:
+            return checkpoint(self.residual_stream, x, cos, sin, use_reentrant=False)
+        return self.residual_stream(x, cos, sin)
+
+    def residual_stream(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -219,16 +229,17 @@ class Llama(nn.Module):
         """[vocab, hidden]: the LM head (the embedding when tied)."""
         return self.lm_head.weight if hasattr(self, "lm_head") else self.model.embed_tokens.weight
 
-    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states [b, t, hidden]; logits are `hidden @ head_weight.T`, taken in chunks."""
+    def hidden(self, ids: torch.Tensor, recompute_every: int = 0) -> torch.Tensor:
+        """Final-normed hidden states [b, t, hidden]; logits are `hidden @ head_weight.T`, taken in chunks.
+        `recompute_every` k > 0 checkpoints every k-th block (see `Block.forward`)."""
         if ids.shape[1] > self.cfg.max_position_embeddings:
             raise NvgError(f"window of {ids.shape[1]} tokens exceeds the model's max_position_embeddings {self.cfg.max_position_embeddings}")
         x = self.model.embed_tokens(ids)
         dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x = x.to(dt)
         cos, sin = rotary_tables(self.cfg, ids.shape[1], ids.device)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, recompute_every > 0 and i % recompute_every == 0)
         return self.model.norm(x)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -290,6 +301,17 @@ def load_model(source: str | CmfFile, device: str | torch.device = "cpu") -> Lla
     with torch.device("cpu"):
         model = build_model(cfg, get)
     return model.to(device).eval()
+
+
+def compile_blocks(model: Llama) -> Llama:
+    """On CUDA, compile each block with inductor (regional compilation): RMSNorm, rotary, SwiGLU, the
+    residual adds and the BLR scale folding become a few fused kernels instead of dozens of eager ones.
+    All blocks share one compiled graph (their parameters are graph inputs), so this costs one compile
+    of a block, not of the whole model. Elsewhere the model runs eager: the CPU path is the reference."""
+    if model.head_weight.is_cuda:
+        for layer in model.model.layers:
+            layer.compile()
+    return model
 
 
 def pick_device(requested: str = "auto") -> torch.device:

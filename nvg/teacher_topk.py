@@ -25,7 +25,7 @@ from nvg.cmf import read_cmf
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hex16
 from nvg.losses import topk_logprobs
-from nvg.model import autocast, load_model, pick_device
+from nvg.model import autocast, compile_blocks, load_model, pick_device
 from nvg.settings import check, from_json
 from nvg.tokenize_windows import read_windows
 
@@ -84,6 +84,7 @@ def main(teacher: Path, windows: Path, shard: int, out: Path, settings: TopkSett
     model = load_model(cmf, device)
     if settings.precision != "fp32" and device.type == "cuda":
         model = model.to(torch.bfloat16 if settings.precision == "bf16" else torch.float16)
+    model = compile_blocks(model)
     window, k = tokens.shape[1], settings.k
     t0, done = time.perf_counter(), 0
     with atomic_path(out) as tmp:

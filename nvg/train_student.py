@@ -37,7 +37,7 @@ from nvg.cmf import BLR, F16, Tensor, dense_tensor, read_cmf, write_cmf
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
 from nvg.losses import topk_kl
-from nvg.model import autocast, load_model, pick_device
+from nvg.model import autocast, compile_blocks, load_model, pick_device
 from nvg.settings import check, from_json
 from nvg.sign_training import SignSettings, SignTrainer
 from nvg.teacher_topk import read_topk
@@ -58,6 +58,7 @@ class TrainSettings:
     seed: int = 1234
     device: str = "auto"
     gpus: int = 1
+    recompute_every: int = 1
     state_root: str = "results/state/train_student"
     signs: dict | SignSettings = field(default_factory=dict)
 
@@ -70,6 +71,7 @@ class TrainSettings:
         check(self.state_every >= 0, "train", "state_every", f"must be >= 0, got {self.state_every}")
         check(self.stop_after is None or self.stop_after >= 1, "train", "stop_after", f"must be >= 1 or null, got {self.stop_after}")
         check(self.precision in ("bf16", "fp16", "fp32"), "train", "precision", f"bf16, fp16 or fp32, got {self.precision!r}")
+        check(self.recompute_every >= 0, "train", "recompute_every", f"must be >= 0, got {self.recompute_every}")
         check(self.gpus >= 1 and self.batch % self.gpus == 0, "train", "gpus",
               f"must be >= 1 and divide train.batch {self.batch}, got {self.gpus}")
         if isinstance(self.signs, dict):
@@ -99,7 +101,7 @@ def trainable(model) -> dict[str, torch.nn.Parameter]:
 def state_key(inputs: list[Path], settings: TrainSettings) -> str:
     """Names the state folder: any change of an input file or a result-affecting setting gives a new one."""
     parts = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
-    s = {k: v for k, v in asdict(settings).items() if k not in ("device", "gpus", "state_root", "stop_after")}
+    s = {k: v for k, v in asdict(settings).items() if k not in ("device", "gpus", "state_root", "stop_after", "recompute_every")}
     return hex16(hash64(json.dumps([parts, s], sort_keys=True).encode()))
 
 
@@ -111,6 +113,8 @@ class Distiller:
         self.tokens, self.t_ids, self.t_logp = tokens, t_ids, t_logp
         self.n_train = n_train
         self.params = trainable(model)
+        # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
+        self.recompute_every = settings.recompute_every if device.type == "cuda" else 0
         self.signs: SignTrainer | None = None  # set by main when train.signs.enabled
 
     @classmethod
@@ -130,8 +134,34 @@ class Distiller:
         """Mean per-token KL over this process's `rows`."""
         ids, t_ids, t_logp = self.batch(rows)
         with autocast(self.device, self.s.precision):
-            hidden = self.model.hidden(ids)
+            hidden = self.model.hidden(ids, self.recompute_every if torch.is_grad_enabled() else 0)
             return topk_kl(hidden, self.model.head_weight, t_ids, t_logp, self.s.tail) / ids.numel()
+
+    def step(self, rows, opt, lr_factor: float, gscale: float) -> dict:
+        """Forward and backward on this process's share of `rows`, gradients averaged over processes,
+        then, unless the loss, the gradient norm or a sign gradient is non-finite, one clipped Adam update
+        at lr · `lr_factor`. Returns loss, grad_norm, lr, skipped, signs (the sign step's statistics)."""
+        if self.signs:  # the sign latents move inside this backward pass
+            self.signs.begin_step(lr_factor, gscale)
+        loss = self.loss(self.group.shard(rows))
+        (loss * gscale).backward()
+        sign_step = self.signs.end_step() if self.signs else None
+        loss = float(self.group.sum(loss.detach().float()) / self.group.world)
+        grads = [p.grad for p in self.params.values()]
+        self.group.average_grads(grads)
+        torch._foreach_div_(grads, gscale)
+        gn = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        bad_signs = sign_step["nonfinite"] if sign_step else 0
+        result = {"loss": loss, "grad_norm": gn, "lr": self.s.lr * lr_factor, "signs": sign_step, "bad_signs": bad_signs,
+                  "skipped": not (math.isfinite(gn) and math.isfinite(loss)) or bad_signs > 0}
+        if not result["skipped"]:
+            for param_group in opt.param_groups:
+                param_group["lr"] = result["lr"]
+            if gn > self.s.clip:
+                torch._foreach_mul_(grads, self.s.clip / gn)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return result
 
     @torch.no_grad()
     def heldout_kl(self) -> float:
@@ -186,14 +216,14 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
     if group.world != s.gpus:
         raise NvgError(f"config train.gpus: {s.gpus}, but {group.world} processes were started (torchrun --nproc_per_node)")
     d, s_cmf = Distiller.from_files(student, windows, topk, s, group)
-    model, tokens, n_train, device = d.model, d.tokens, d.n_train, d.device
+    model, tokens, n_train, device = compile_blocks(d.model), d.tokens, d.n_train, d.device
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
     n_batches = n_train // s.batch
     if n_batches < 1:
         raise NvgError(f"config train.batch: {s.batch} exceeds the {n_train} training windows")
     total = n_batches * s.epochs
-    opt = torch.optim.Adam(list(d.params.values()), lr=s.lr, betas=(0.9, 0.999), eps=1e-8)
+    opt = torch.optim.Adam(list(d.params.values()), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     if s.signs.enabled:
         d.signs = SignTrainer(model, s.signs, total, group)
         say(d.signs.describe())
@@ -224,37 +254,19 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
             if st["done"] >= stop:
                 break
             rows = list(range(order[pos] * s.batch, (order[pos] + 1) * s.batch))
-            if d.signs:  # the sign latents move inside this backward pass
-                d.signs.begin_step(lr_shape(st["done"] + 1, total), st["gscale"])
-            loss = d.loss(group.shard(rows))
-            (loss * st["gscale"]).backward()
-            sign_step = d.signs.end_step() if d.signs else None
-            loss = float(group.sum(loss.detach().float()) / group.world)
-            grads = [p.grad for p in d.params.values()]
-            group.average_grads(grads)
-            for g in grads:
-                g.div_(st["gscale"])
-            gn = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            result = d.step(rows, opt, lr_shape(st["done"] + 1, total), st["gscale"])
+            loss, gn, sign_step = result["loss"], result["grad_norm"], result["signs"]
             st["epoch"], st["pos"] = epoch, pos + 1
-            bad_signs = sign_step["nonfinite"] if sign_step else 0
-            if not (math.isfinite(gn) and math.isfinite(loss)) or bad_signs:
-                opt.zero_grad(set_to_none=True)
+            if result["skipped"]:
                 st["skipped"] += 1
                 if s.precision == "fp16":
                     st["gscale"] = max(1.0, st["gscale"] / 2)
-                say(f"\n  non-finite step (loss {loss:.4f}, |g| {gn:.3e}, {bad_signs} non-finite sign gradients): "
+                say(f"\n  non-finite step (loss {loss:.4f}, |g| {gn:.3e}, {result['bad_signs']} non-finite sign gradients): "
                     f"skipped, gscale {st['gscale']}")
                 st["metrics"].append({"step": st["done"], "skipped": True})
                 continue
             st["done"] += 1
-            lr = s.lr * lr_shape(st["done"], total)
-            for param_group in opt.param_groups:
-                param_group["lr"] = lr
-            if gn > s.clip:
-                for g in grads:
-                    g.mul_(s.clip / gn)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            lr = result["lr"]
             st["tokens_seen"] += len(rows) * tokens.shape[1]
             elapsed = time.perf_counter() - t0
             per_step = elapsed / max(1, st["done"] - done0)

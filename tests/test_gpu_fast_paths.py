@@ -35,3 +35,65 @@ def test_encoding_on_cuda_matches_the_cpu():
     _, gpu = enc.encode_tensor(W, H, H, 1.0, "gate", 64, s, torch.device("cuda"), "gate")
     assert (gpu["paths"], gpu["rank"]) == (cpu["paths"], cpu["rank"])
     assert gpu["rel_sel_error"] == pytest.approx(cpu["rel_sel_error"], rel=0.02)
+
+
+def _loss_and_grads(model, ids, t_ids, t_logp, recompute_every):
+    from nvg.losses import topk_kl
+    from nvg.train_student import trainable
+
+    params = trainable(model)
+    loss = topk_kl(model.hidden(ids, recompute_every), model.head_weight, t_ids, t_logp) / ids.numel()
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().cpu() for n, p in params.items()}
+
+
+def test_compiled_blocks_with_recompute_match_the_eager_cpu_model(stage_inputs):
+    """The training fast path (inductor-compiled blocks, checkpointed, compiled KL blocks) against the
+    eager CPU model: same loss, same gradients of every scale and gain (float32 on both)."""
+    from nvg.model import compile_blocks, load_model
+    from nvg.teacher_topk import read_topk
+    from nvg.tokenize_windows import read_windows
+
+    tokens, _ = read_windows(stage_inputs / "windows.h5")
+    t_ids, t_logp = read_topk([stage_inputs / "topk.0.h5"], len(tokens))
+    batch = [torch.from_numpy(a[:8]) for a in (tokens, t_ids, t_logp)]
+    ref_loss, ref = _loss_and_grads(load_model(stage_inputs / "student.cmf"), *batch, 0)
+    fast = compile_blocks(load_model(stage_inputs / "student.cmf", "cuda"))
+    loss, got = _loss_and_grads(fast, *(x.cuda() for x in batch), 1)
+    assert loss == pytest.approx(ref_loss, rel=1e-4)
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=2e-3, atol=1e-6 * float(g.abs().max()), msg=name)
+
+
+def test_teacher_pass_on_cuda_matches_the_cpu():
+    """Compiled LM head + two-stage top-k on CUDA against the eager CPU pass, at SmolLM2's vocabulary."""
+    from nvg.losses import topk_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden, head = torch.randn(2, 3000, 64, generator=g), torch.randn(49152, 64, generator=g) * 0.3
+    ref_ids, ref_logp = topk_logprobs(hidden, head, 64)
+    ids, logp = topk_logprobs(hidden.cuda(), head.cuda(), 64)
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(logp.cpu(), ref_logp, rtol=0, atol=1e-4)
+    # bf16, as the pipeline runs it: the same winners up to bf16 rounding of near-ties
+    ids16, logp16 = topk_logprobs(hidden.cuda().bfloat16(), head.cuda().bfloat16(), 64)
+    assert (ids16[..., 0].cpu() == ref_ids[..., 0]).float().mean() > 0.97
+    assert (logp16[..., 0].cpu() - ref_logp[..., 0]).abs().mean() < 0.05
+
+
+def test_training_on_cuda_matches_the_cpu(stage_inputs):
+    """train_student end to end, float32: the CUDA run (compiled, checkpointed, fused Adam) takes the
+    same steps as the CPU run."""
+    import json
+
+    from tests.conftest import train
+
+    runs = {}
+    for device in ("cpu", "cuda"):
+        train(stage_inputs, device, device=device, precision="fp32", epochs=1, stop_after=6)
+        runs[device] = [json.loads(line) for line in (stage_inputs / f"{device}.jsonl").read_text().splitlines()]
+    losses = {dev: [m["loss"] for m in ms if "loss" in m] for dev, ms in runs.items()}
+    assert len(losses["cpu"]) == 6
+    np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-3)
+    kl = {dev: [m["heldout_kl"] for m in ms if "heldout_kl" in m] for dev, ms in runs.items()}
+    np.testing.assert_allclose(kl["cuda"], kl["cpu"], rtol=1e-3)

@@ -6,7 +6,9 @@ import h5py
 import numpy as np
 import torch
 
-from nvg.losses import topk_kl, topk_logprobs
+import pytest
+
+from nvg.losses import topk_kl, topk_last, topk_logprobs
 from nvg.teacher_topk import TopkSettings, main, read_topk
 from nvg.tokenize_windows import WindowSettings, main as make_windows
 
@@ -19,6 +21,19 @@ def test_chunked_topk_equals_full_log_softmax():
     want_logp, want_ids = full.topk(5, -1)
     torch.testing.assert_close(logp, want_logp)
     assert torch.equal(ids.long(), want_ids)
+
+
+@pytest.mark.parametrize("vocab", [49152, 40000, 300])
+def test_two_stage_topk_equals_torch_topk(vocab):
+    """Block maxima first, then the winners' blocks: same values and ids as a full sort (40000 is not a
+    multiple of the block, 300 too small to use blocks)."""
+    z = torch.randn(64, vocab, generator=torch.Generator().manual_seed(vocab))
+    z[0, :] = torch.linspace(-1, 1, vocab)  # all winners in the last blocks
+    z[1, ::997] += 10.0  # winners spread one per block
+    vals, ids = topk_last(z, 64 if vocab > 300 else 5)
+    want_vals, want_ids = z.topk(64 if vocab > 300 else 5, dim=-1)
+    assert torch.equal(vals, want_vals)
+    assert torch.equal(ids, want_ids)
 
 
 def test_chunked_kl_equals_the_direct_formula_and_its_gradient():
