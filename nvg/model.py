@@ -103,9 +103,10 @@ class BlrLinear(nn.Module):
     Fast because the scales are folded into the two sign factors before they meet the activations:
     A = [diag(ℓ_p) S_V,p diag(g_p)]_p (stacked to [P·r, d_in]) and B = [diag(h_p) S_U,p]_p ([d_out, P·r])
     cost weight-sized work, after which the tokens see exactly two GEMMs, y = (x Aᵀ) Bᵀ, on tensor
-    cores (±1 is exact in bf16), and no activation-sized elementwise op at all. Backward is then
-    three GEMM pairs (input, A and B gradients) and the scale gradients are weight-sized reductions.
-    The cost is r·P·(d_in + d_out) multiply-adds per token, about d_in·d_out at 1 bpw."""
+    cores (±1 is exact in bf16), and no activation-sized elementwise op at all. Backward is four GEMMs
+    (two for the input gradient, one each for the A and B gradients); the scale gradients are then
+    weight-sized reductions of those. The cost is P·r·(d_in + d_out) multiply-adds per token, about
+    d_in·d_out at 1 bpw (docs/benchmarks.md)."""
 
     def __init__(self, payload: blr_codec.BlrTensor, bias: torch.Tensor | None = None):
         super().__init__()
