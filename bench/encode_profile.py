@@ -13,10 +13,12 @@ from pathlib import Path
 
 import torch
 
-from nvg import budget_reencode as enc
+from nvg import encoder as enc
 from nvg.cmf import read_cmf, tensor_to_numpy
-from nvg.gram_capture import read_grams
-from nvg.model import ROLE_INPUT, parse_body_linear, pick_device
+from nvg.artifacts import read_grams
+from nvg.layout import ROLE_INPUT, parse_body_linear
+from nvg.model import pick_device
+from nvg.settings import load
 
 
 def main():
@@ -52,7 +54,7 @@ def main():
         layer, role = parse_body_linear(name)
         H_fit, H_sel, _, _ = read_grams(a.grams, layer, ROLE_INPUT[role])
         enc.encode_tensor(tensor_to_numpy(cmf.tensors[name]), H_fit, H_sel, a.bpw, role, cmf.arch["head_dim"],
-                          enc.EncodeSettings(bpw=a.bpw), device, name)
+                          load(enc.EncodeSettings, bpw=a.bpw), device, name)
     sync()
     total = time.perf_counter() - t0
     report = {"device": str(device), "tensors": len(names), "bpw": a.bpw, "total_s": total,

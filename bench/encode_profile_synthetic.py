@@ -14,8 +14,9 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nvg import budget_reencode as enc
+from nvg import encoder as enc
 from nvg import sign_sweep
+from nvg.settings import load
 
 
 def gpu_sweep(su, h, G, c):
@@ -42,7 +43,7 @@ def main():
     for role, (o, i) in shapes.items():
         X = rng.standard_normal((4096, i)).astype(np.float32) * rng.uniform(0.1, 3, i).astype(np.float32)
         data[role] = (rng.standard_normal((o, i)).astype(np.float32) * 0.05, (X.T @ X).astype(np.float32))
-    s = enc.EncodeSettings(bpw=1.0)
+    s = load(enc.EncodeSettings, bpw=1.0)
     for role, (W, H) in data.items():  # warm-up (cuBLAS/cuSOLVER handles)
         enc.encode_tensor(W, H, H, 1.0, role, 64, s, dev, role)
     sync()

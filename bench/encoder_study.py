@@ -15,10 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-from nvg.budget_reencode import EncodeSettings, main as encode
+from nvg.budget_reencode import main as encode
+from nvg.encoder import EncodeSettings
 from nvg.evaluate import EvalSettings, score
 from nvg.model import load_model, pick_device
-from nvg.tokenize_windows import read_windows
+from nvg.artifacts import read_windows
+from nvg.settings import load
 
 
 def main():
@@ -41,11 +43,11 @@ def main():
             name = f"{method}-{bpw}"
             t0 = time.perf_counter()
             encode(a.teacher, a.grams, a.workdir / f"{name}.cmf", a.workdir / f"{name}.json",
-                   EncodeSettings(bpw=bpw, method=method))
+                   load(EncodeSettings, bpw=bpw, method=method))
             seconds = time.perf_counter() - t0
             report = json.loads((a.workdir / f"{name}.json").read_text())
             student = load_model(a.workdir / f"{name}.cmf", device)
-            s = score({"teacher": teacher, "student": student}, heldout, None, None, EvalSettings(batch=8), device)
+            s = score({"teacher": teacher, "student": student}, heldout, None, None, load(EvalSettings, batch=8), device)
             results["runs"][name] = {
                 "bpw": bpw, "method": method, "encode_seconds": seconds, "body_bpw": report["body_bpw"],
                 "file_bpw": report["file_bpw"], "mean_rel_sel_error": report["mean_rel_sel_error"],

@@ -7,7 +7,7 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
    nvg: teacher_topk's path (compiled blocks; LM head, log-sum-exp and two-stage top-k in compiled
    4096-token blocks). Baseline: `model(x).logits`, float32 softmax, topk, as in
    ../shared/tools/hf_baseline.py.
-2. distillation step, tokens/s and peak memory. nvg: `Distiller.step` of train_student (the pipeline's
+2. distillation step, tokens/s and peak memory. nvg: `Distiller.step` (nvg/distill.py) (the pipeline's
    step: batch from host arrays, bf16 autocast, compiled checkpointed blocks, chunked KL to the
    cached top-64, gradient norm and clip, fused Adam on h, ℓ, g and the norm gains) on a BLR student
    at 1 bpw (P = 2). Baseline: the dense student, full float32 logits, log-softmax, gather, KL, Adam on
@@ -31,8 +31,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from nvg import blr as codec
 from nvg.losses import topk_logprobs
-from nvg.model import ModelConfig, build_model, compile_blocks, flops_per_token, load_model, parse_body_linear
-from nvg.train_student import Distiller, TrainSettings
+from nvg.distill import Distiller, Targets
+from nvg.layout import parse_body_linear
+from nvg.model import ModelConfig, build_model, compile_blocks, flops_per_token, load_model
 
 WINDOW = 2048
 LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
@@ -162,23 +163,23 @@ def bench_model(name: str, cfg: ModelConfig, teacher, teacher_batches, step_batc
         say()
     hf = opt = None  # frees the dense model before the student is measured
     targets = {b: t[:3] for b, t in targets.items()}
-    # nvg: a BLR student at 1 bpw through train_student's own step
+    # nvg: a BLR student at 1 bpw through the pipeline's own step (nvg/distill.py)
     student = compile_blocks(blr_student(cfg, dense, 1.0).cuda())
     rows["student body bpw"] = round(float(np.mean([codec.bits_per_weight(2, m.rank, m.h.shape[1], m.g.shape[1])
                                                     for m in student.blr_linears().values()])), 3)
     sfpt = blr_flops_per_token(student) + attention_flops(cfg)
     for b in step_batches:
-        d = Distiller(student, *targets[b], b, TrainSettings(batch=b, device="cuda"), torch.device("cuda"))
+        d = Distiller(student, Targets(*targets[b], b), torch.device("cuda"), batch=b, precision="bf16", recompute_every=1)
         opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
         rows[f"distillation step, batch {b}: nvg (BLR 1 bpw)"] = measure(
-            lambda: d.step(list(range(b)), opt, 1.0, 1.0), b * WINDOW, 3 * sfpt, max(2, iters // 2))
+            lambda: d.step(list(range(b)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), b * WINDOW, 3 * sfpt, max(2, iters // 2))
         say()
     if keep_activations:  # the other end of train.recompute_every: no block recomputed
         b = step_batches[-1]
-        d = Distiller(student, *targets[b], b, TrainSettings(batch=b, device="cuda", recompute_every=0), torch.device("cuda"))
+        d = Distiller(student, Targets(*targets[b], b), torch.device("cuda"), batch=b, precision="bf16", recompute_every=0)
         opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
         rows[f"distillation step, batch {b}: nvg (BLR 1 bpw), recompute_every 0"] = measure(
-            lambda: d.step(list(range(b)), opt, 1.0, 1.0), b * WINDOW, 3 * sfpt, max(2, iters // 2))
+            lambda: d.step(list(range(b)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), b * WINDOW, 3 * sfpt, max(2, iters // 2))
         say()
     rows["forward FLOPs per token"] = {"teacher": fpt, "BLR student": sfpt}
     return rows

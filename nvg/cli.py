@@ -16,28 +16,11 @@ import sys
 
 from nvg.cmf import BLR, DTYPE_NAMES, read_cmf, verify
 from nvg.errors import exits_cleanly
-from nvg.model import parse_body_linear
+from nvg.layout import bits_summary
 
 TOOLS = ["export_hf", "generate"]  # modules with their own CLI, run as `nvg export-hf …`, `nvg generate …`
 STAGES = ["import_teacher", "tokenize_windows", "teacher_topk", "gram_capture", "budget_reencode",
           "dtgma_cut", "train_student", "export", "evaluate", "report"]
-
-
-def bits_summary(cmf) -> dict:
-    """Bits per weight counted from stored bytes: of the body linears, and of the whole file's tensors."""
-    body_bytes = body_weights = all_bytes = all_weights = 0
-    for t in cmf.tensors.values():
-        all_bytes += len(t.data)
-        all_weights += t.numel
-        if parse_body_linear(t.name):
-            body_bytes += len(t.data)
-            body_weights += t.numel
-    return {
-        "body_bpw": 8 * body_bytes / max(1, body_weights),
-        "file_bpw": 8 * all_bytes / max(1, all_weights),
-        "body_weights": body_weights,
-        "all_weights": all_weights,
-    }
 
 
 def inspect(path: str) -> None:

@@ -19,42 +19,43 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from nvg import blr as codec
-from nvg.cmf import BLR, Tensor, dense_tensor, tensor_to_numpy, write_cmf
+from nvg.cmf import BLR, Tensor, dense_tensor, read_cmf, tensor_to_numpy, write_cmf
+from nvg.distill import Distiller, Targets
 from nvg.errors import exits_cleanly
-from nvg.settings import check, from_json
-from nvg.train_student import Distiller, TrainSettings
+from nvg.model import load_model, pick_device
+from nvg.settings import check, load
 
 
 @dataclass
 class DtgmaSettings:
-    keep: float  # required: the rule runs only when dtgma.keep is set
-    lr: float = 0.1
-    tau: float = 0.5
-    init: float = 2.0
-    l1_init: float = 0.01
-    l1_step: float = 0.005
-    l1_grow: float = 1.5
-    eval_every: int = 25
-    max_steps: int = 3000
-    settle: int = 0
-    align: int = 128
-    floor: float = 0.25
-    batch: int = 4
-    seed: int = 1234
-    device: str = "auto"
-    precision: str = "bf16"
+    """Config block `dtgma` (defaults and bounds: the schema; build with `nvg.settings.load`)."""
+
+    SECTION: ClassVar[str] = "dtgma"
+    keep: float | None  # the rule runs only when dtgma.keep is set
+    lr: float
+    tau: float
+    init: float
+    l1_init: float
+    l1_step: float
+    l1_grow: float
+    eval_every: int
+    max_steps: int
+    settle: int
+    align: int
+    floor: float
+    batch: int
+    seed: int
+    device: str
+    precision: str
 
     def __post_init__(self):
-        check(0 < self.keep < 1, "dtgma", "keep", f"must be in (0, 1), got {self.keep}")
-        check(self.align >= 8 and self.align % 8 == 0, "dtgma", "align", f"must be a positive multiple of 8, got {self.align}")
-        check(0 <= self.floor <= 1, "dtgma", "floor", f"must be in [0, 1], got {self.floor}")
-        check(self.max_steps >= 1 and self.eval_every >= 1, "dtgma", "max_steps", "max_steps and eval_every must be >= 1")
-        check(self.tau > 0 and self.lr > 0, "dtgma", "tau", "tau and lr must be > 0")
+        check(self.keep is not None, "dtgma", "keep", "required: the fraction of MLP neurons to keep, in (0, 1)")
 
 
 def choose_widths(logits: list[np.ndarray], keep: float, align: int, floor: float) -> list[np.ndarray]:
@@ -92,8 +93,11 @@ def cut_tensor(t: Tensor, keep: np.ndarray, rows: bool) -> Tensor:
 
 def main(student: Path, windows: Path, topk: list[Path], out: Path, s: DtgmaSettings) -> None:
     torch.manual_seed(s.seed)
-    d, s_cmf = Distiller.from_files(student, windows, topk, TrainSettings(batch=s.batch, precision=s.precision, device=s.device))
-    model, n_train, device = d.model, d.n_train, d.device
+    device, s_cmf = pick_device(s.device), read_cmf(student)
+    targets = Targets.from_files(windows, topk)
+    # recompute_every 1: on CUDA each block's activations are recomputed in backward (memory, not results)
+    d = Distiller(load_model(s_cmf, device), targets, device, batch=s.batch, precision=s.precision, recompute_every=1)
+    model, n_train = d.model, targets.n_train
     for p in model.parameters():
         p.requires_grad_(False)
     layers = model.model.layers
@@ -169,7 +173,7 @@ def cli(argv=None):
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--settings", required=True)
     a = ap.parse_args(argv)
-    main(a.student, a.windows, a.topk, a.out, from_json(DtgmaSettings, a.settings, "dtgma"))
+    main(a.student, a.windows, a.topk, a.out, load(DtgmaSettings, a.settings))
 
 
 if __name__ == "__main__":

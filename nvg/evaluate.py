@@ -17,32 +17,32 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 
+from nvg.artifacts import read_topk, read_windows
 from nvg.atomic import write_json
-from nvg.cli import bits_summary
 from nvg.cmf import read_cmf
 from nvg.errors import exits_cleanly
+from nvg.layout import bits_summary
 from nvg.losses import full_kl_and_agreement, next_token_nll, topk_kl
 from nvg.model import autocast, compile_blocks, load_model, pick_device
-from nvg.settings import check, from_json
-from nvg.teacher_topk import read_topk
-from nvg.tokenize_windows import ChatRenderer, read_windows, source_tokens
+from nvg.settings import load
+from nvg.sources import ChatRenderer, source_tokens
 
 
 @dataclass
 class EvalSettings:
-    batch: int = 4
-    ood: str | None = "python-docs"
-    ood_tokens: int = 4096
-    device: str = "auto"
-    precision: str = "bf16"
+    """Config block `evaluate` (defaults and bounds: the schema; build with `nvg.settings.load`)."""
 
-    def __post_init__(self):
-        check(self.batch >= 1, "evaluate", "batch", f"must be >= 1, got {self.batch}")
-        check(self.ood_tokens >= 16, "evaluate", "ood_tokens", f"must be >= 16, got {self.ood_tokens}")
+    SECTION: ClassVar[str] = "evaluate"
+    batch: int
+    ood: str | None
+    ood_tokens: int
+    device: str
+    precision: str
 
 
 @torch.no_grad()
@@ -102,7 +102,8 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
 
         tok = Tokenizer.from_str(cmfs["teacher"].vocab.decode("utf-8"))
         window = tokens.shape[1]
-        ids = source_tokens(settings.ood, settings.ood_tokens, tok, ChatRenderer(None, settings.ood))
+        template = cmfs["teacher"].header.get("tokenizer_config", {}).get("chat_template")
+        ids = source_tokens(settings.ood, settings.ood_tokens, tok, ChatRenderer(template, settings.ood))
         ood = ids[: len(ids) // window * window].reshape(-1, window)
         report["ood"] = {"source": settings.ood, **score(models, ood, None, None, settings, device)}
     report["files"] = {n: {"path": str(c.path), "bytes": c.path.stat().st_size, **bits_summary(c)} for n, c in cmfs.items()}
@@ -124,7 +125,7 @@ def cli(argv=None):
     ap.add_argument("--benchmarks", type=Path, nargs="*", default=[])
     ap.add_argument("--settings", required=True)
     a = ap.parse_args(argv)
-    main(a.teacher, a.encoded, a.final, a.windows, a.topk, a.out, from_json(EvalSettings, a.settings, "evaluate"), a.benchmarks)
+    main(a.teacher, a.encoded, a.final, a.windows, a.topk, a.out, load(EvalSettings, a.settings), a.benchmarks)
 
 
 if __name__ == "__main__":

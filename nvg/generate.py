@@ -18,7 +18,7 @@ import torch
 from nvg.cmf import read_cmf
 from nvg.errors import NvgError, exits_cleanly
 from nvg.model import autocast, load_model, pick_device
-from nvg.tokenize_windows import ChatRenderer
+from nvg.sources import ChatRenderer
 
 
 @torch.no_grad()

@@ -3,8 +3,7 @@
 Inputs: `attn_in` (feeds q/k/v), `attn_out` (feeds o), `mlp_in` (feeds gate/up), `mlp_down` (feeds
 down). FIT windows are the first `fit_windows` training windows, SEL the next `sel_windows` (disjoint);
 held-out windows are never used. Grams accumulate in float32 on the device through forward hooks.
-Output `grams/{model}.h5`: `layer{i}/{input}/fit` and `…/sel` float32 [n, n], attributes count_fit,
-count_sel (tokens).
+Output `grams/{model}.h5` (format in `nvg/artifacts.py`).
 
     python -m nvg.gram_capture --model M.cmf --windows W.h5 --out grams/teacher.h5 --settings JSON
 """
@@ -15,16 +14,16 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-import h5py
 import numpy as np
 import torch
 
-from nvg.atomic import atomic_path
+from nvg.artifacts import read_windows, write_grams
 from nvg.errors import NvgError, exits_cleanly
-from nvg.model import BODY_ROLES, ROLE_INPUT, autocast, load_model, pick_device
-from nvg.settings import check, from_json
-from nvg.tokenize_windows import read_windows
+from nvg.layout import BODY_ROLES, ROLE_INPUT
+from nvg.model import autocast, load_model, pick_device
+from nvg.settings import load
 
 # one hook per distinct input: the first role that reads it (linears sharing an input share its Gram)
 INPUT_LEAD = {name: next(r for r, n in ROLE_INPUT.items() if n == name) for name in dict.fromkeys(ROLE_INPUT.values())}
@@ -32,16 +31,14 @@ INPUT_LEAD = {name: next(r for r, n in ROLE_INPUT.items() if n == name) for name
 
 @dataclass
 class GramSettings:
-    fit_windows: int = 16
-    sel_windows: int = 8
-    batch: int = 4
-    device: str = "auto"
-    precision: str = "fp32"
+    """Config block `grams` (defaults and bounds: the schema; build with `nvg.settings.load`)."""
 
-    def __post_init__(self):
-        check(self.fit_windows >= 1, "grams", "fit_windows", f"must be >= 1, got {self.fit_windows}")
-        check(self.sel_windows >= 1, "grams", "sel_windows", f"must be >= 1, got {self.sel_windows}")
-        check(self.batch >= 1, "grams", "batch", f"must be >= 1, got {self.batch}")
+    SECTION: ClassVar[str] = "grams"
+    fit_windows: int
+    sel_windows: int
+    batch: int
+    device: str
+    precision: str
 
 
 def capture(model, tokens: np.ndarray, device, batch: int, precision: str) -> tuple[dict, int]:
@@ -69,16 +66,6 @@ def capture(model, tokens: np.ndarray, device, batch: int, precision: str) -> tu
     return {k: v.cpu().numpy() for k, v in grams.items()}, int(tokens.size)
 
 
-def read_grams(path, layer: int, name: str) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """(H_fit, H_sel, count_fit, count_sel) of one layer input."""
-    try:
-        with h5py.File(path, "r") as f:
-            g = f[f"layer{layer}/{name}"]
-            return g["fit"][...], g["sel"][...], int(g.attrs["count_fit"]), int(g.attrs["count_sel"])
-    except (OSError, KeyError) as e:
-        raise NvgError(f"{path}: Gram layer{layer}/{name} not readable ({e})") from None
-
-
 def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> None:
     tokens, attrs = read_windows(windows)
     n_train = int(attrs["n_train"])
@@ -91,15 +78,8 @@ def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> 
     sel = tokens[settings.fit_windows : settings.fit_windows + settings.sel_windows]
     g_fit, c_fit = capture(model, fit, device, settings.batch, settings.precision)
     g_sel, c_sel = capture(model, sel, device, settings.batch, settings.precision)
-    with atomic_path(out) as tmp:
-        with h5py.File(tmp, "w") as f:
-            for (layer, name), h in g_fit.items():
-                grp = f.create_group(f"layer{layer}/{name}")
-                grp.create_dataset("fit", data=h)
-                grp.create_dataset("sel", data=g_sel[(layer, name)])
-                grp.attrs.update({"count_fit": c_fit, "count_sel": c_sel})
-            f.attrs.update({"model": str(model_path), "windows_hash": attrs["tokens_hash"],
-                            "inputs": sorted(set(ROLE_INPUT.values()))})
+    write_grams(out, g_fit, g_sel, c_fit, c_sel, {"model": str(model_path), "windows_hash": attrs["tokens_hash"],
+                                                  "inputs": sorted(set(ROLE_INPUT.values()))})
     print(f"gram_capture: {len(g_fit)} Grams ({c_fit} FIT + {c_sel} SEL tokens) on {device} → {out}", file=sys.stderr)
 
 
@@ -111,7 +91,7 @@ def cli(argv=None):
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--settings", required=True)
     a = ap.parse_args(argv)
-    main(a.model, a.windows, a.out, from_json(GramSettings, a.settings, "grams"))
+    main(a.model, a.windows, a.out, load(GramSettings, a.settings))
 
 
 if __name__ == "__main__":

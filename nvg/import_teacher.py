@@ -13,7 +13,6 @@ package, found without importing it.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import tempfile
@@ -25,6 +24,7 @@ import numpy as np
 from nvg import __version__
 from nvg.cmf import BF16, F16, ARCH_DEFAULTS, dense_tensor, read_cmf, tensor_to_numpy, write_cmf
 from nvg.errors import NvgError, exits_cleanly
+from nvg.sources import resolve_path
 
 
 @dataclass
@@ -33,17 +33,6 @@ class TeacherSource:
     tensors: dict[str, np.ndarray]  # HF names → float32
     tokenizer_json: bytes
     tokenizer_config: dict
-
-
-def resolve_path(spec: str) -> Path:
-    """A path, or `pkg:<module>/<path>` inside an installed package (located without importing it)."""
-    if not spec.startswith("pkg:"):
-        return Path(spec)
-    module, _, rel = spec[4:].partition("/")
-    found = importlib.util.find_spec(module)
-    if found is None or not found.submodule_search_locations:
-        raise NvgError(f"{spec}: package {module!r} is not installed (see README: setup)")
-    return Path(list(found.submodule_search_locations)[0]) / rel
 
 
 def arch_from_hf_config(cfg: dict, source) -> dict:

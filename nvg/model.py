@@ -19,28 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from nvg import blr as blr_codec
 from nvg.cmf import BLR, CmfFile, read_cmf, tensor_to_numpy
 from nvg.errors import NvgError
-
-BODY_ROLES = {
-    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
-}
-# The activation each body linear reads: linears that share an input share one Gram.
-ROLE_INPUT = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "attn_out", "gate": "mlp_in", "up": "mlp_in", "down": "mlp_down"}
-
-
-def body_linear_name(layer: int, role: str) -> str:
-    return f"model.layers.{layer}.{BODY_ROLES[role]}.weight"
-
-
-def parse_body_linear(name: str) -> tuple[int, str] | None:
-    """(layer, role) of a body linear's tensor name, else None."""
-    parts = name.split(".")
-    if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
-        for role, suffix in BODY_ROLES.items():
-            if ".".join(parts[3:5]) == suffix:
-                return int(parts[2]), role
-    return None
-
+from nvg.layout import BODY_ROLES
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nvg.errors import NvgError
+from nvg.settings import section_schema
+
+# a plan line obeys the same bounds as config encode.bpw: the schema's
+_BPW = section_schema("encode")["properties"]["bpw"]
 
 
 @dataclass
@@ -51,8 +55,8 @@ def _bpw(text: str, source: str, line: int) -> float:
         v = float(text)
     except ValueError:
         raise NvgError(f"{source}: line {line}: bits per weight {text!r} is not a number") from None
-    if not 0 < v <= 32:
-        raise NvgError(f"{source}: line {line}: bits per weight {v} must be in (0, 32]")
+    if not _BPW["exclusiveMinimum"] < v <= _BPW["maximum"]:
+        raise NvgError(f"{source}: line {line}: bits per weight {v} must be in ({_BPW['exclusiveMinimum']}, {_BPW['maximum']}]")
     return v
 
 

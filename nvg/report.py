@@ -18,7 +18,7 @@ from pathlib import Path
 
 from nvg.atomic import atomic_path
 from nvg.errors import NvgError, exits_cleanly
-from nvg.model import BODY_ROLES, parse_body_linear
+from nvg.layout import BODY_ROLES, parse_body_linear
 
 ROLES = list(BODY_ROLES)
 

@@ -1,14 +1,22 @@
 """Stage settings: each step module's dataclass is built from the JSON its rule passes in `params:`.
 
-Unknown keys and wrong types are rejected here with the config key named, so a typo never silently
-falls back to a default."""
+The config schema (`workflow/schemas/config.schema.yaml`) is the one source of defaults and bounds:
+`load` fills every key the JSON leaves out with the schema's default and checks every value against
+the schema, so a step module run by hand behaves like the pipeline with those keys unset. Unknown
+keys and out-of-range values are one error naming the config key. A dataclass states its config block
+in `SECTION` and checks only what spans two keys in `__post_init__`."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import typing
 
+import jsonschema
+import yaml
+
+from nvg.config import SCHEMA_PATH
 from nvg.errors import NvgError
 
 
@@ -17,38 +25,58 @@ def check(cond: bool, section: str, key: str, problem: str) -> None:
         raise NvgError(f"config {section}.{key}: {problem}")
 
 
-def from_json(cls, text: str | dict, section: str):
-    """Build settings `cls` from a JSON object; `section` names the config block in messages."""
+@functools.cache
+def _schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def section_schema(section: str) -> dict:
+    """The schema of one config block (`train`, `train.signs`, …), its `$ref`s resolvable."""
+    root = _schema()
+    node = root
+    for part in section.split("."):
+        node = node["properties"][part]
+    return {**node, "definitions": root["definitions"]}
+
+
+def _resolved(spec: dict) -> dict:
+    return _schema()["definitions"][spec["$ref"].rsplit("/", 1)[1]] if "$ref" in spec else spec
+
+
+def with_defaults(schema: dict, data: dict) -> dict:
+    """`data` with every key it leaves out set to the schema's default, nested blocks included."""
+    out = dict(data)
+    for key, spec in schema.get("properties", {}).items():
+        spec = _resolved(spec)
+        if key not in out and "default" in spec:
+            out[key] = json.loads(json.dumps(spec["default"]))
+        if "properties" in spec and isinstance(out.get(key), dict):
+            out[key] = with_defaults(spec, out[key])
+    return out
+
+
+def load(cls, values: str | dict | None = None, **overrides):
+    """Settings `cls` from a JSON object (text or dict) plus `overrides`: schema defaults filled in,
+    every value checked against the schema, nested blocks built as their own dataclasses."""
+    section = cls.SECTION
     try:
-        data = json.loads(text) if isinstance(text, str) else dict(text)
+        data = json.loads(values) if isinstance(values, str) else dict(values or {})
     except ValueError as e:
         raise NvgError(f"config {section}: settings are not valid JSON: {e}") from None
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise NvgError(f"config {section}.{unknown[0]}: unknown key (known: {', '.join(sorted(fields))})")
-    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise NvgError(f"config {section}.{missing[0]}: required")
+    if not isinstance(data, dict):
+        raise NvgError(f"config {section}: settings must be a JSON object, got {type(data).__name__}")
+    schema = section_schema(section)
+    data = with_defaults(schema, {**data, **overrides})
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
+    if error is not None:
+        path = [str(p) for p in error.absolute_path]
+        if error.validator == "additionalProperties":
+            known = error.schema.get("properties", {})
+            unknown = sorted(set(error.instance) - set(known))[0]
+            raise NvgError(f"config {'.'.join([section, *path, unknown])}: unknown key (known: {', '.join(sorted(known))})")
+        raise NvgError(f"config {'.'.join([section, *path])}: {error.message}")
     hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        _check_type(section, key, value, hints[key])
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            data[f.name] = load(hints[f.name], data[f.name])
     return cls(**data)
-
-
-def _check_type(section, key, value, hint):
-    origin = typing.get_origin(hint)
-    options = typing.get_args(hint) if origin in (typing.Union, getattr(__import__("types"), "UnionType")) else (hint,)
-    for opt in options:
-        base = typing.get_origin(opt) or opt
-        if opt is type(None) and value is None:
-            return
-        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return
-        if base is int and isinstance(value, int) and not isinstance(value, bool):
-            return
-        if base in (str, bool, list, dict) and isinstance(value, base):
-            return
-    names = " or ".join(getattr(o, "__name__", str(o)) for o in options)
-    raise NvgError(f"config {section}.{key}: expected {names}, got {type(value).__name__} {value!r}")

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from nvg.model import BODY_ROLES, parse_body_linear
+from nvg.layout import BODY_ROLES, parse_body_linear
 from nvg.settings import check
 
 BYTES_PER_SIGN = {"adam": 12, "factored": 6, "plain": 4}
@@ -40,32 +41,25 @@ ROLES = tuple(BODY_ROLES)
 
 @dataclass
 class SignSettings:
-    enabled: bool = False
-    optimizer: str = "factored"
-    tau: float = 1.0
-    eta: float | None = None
-    warm: int = 10
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    clamp: float = 2.0
-    hyst: float = 0.1
-    max_step_flip: float = 1e-3
-    max_total_flip: float = 0.1
+    """Config block `train.signs` (defaults and bounds: the schema; build with `nvg.settings.load`)."""
+
+    SECTION: ClassVar[str] = "train.signs"
+    enabled: bool
+    optimizer: str
+    tau: float
+    eta: float | None
+    warm: int
+    b1: float
+    b2: float
+    eps: float
+    clamp: float
+    hyst: float
+    max_step_flip: float
+    max_total_flip: float
 
     def __post_init__(self):
-        key = lambda k: ("train", f"signs.{k}")  # noqa: E731
-        check(self.optimizer in BYTES_PER_SIGN, *key("optimizer"), f"adam, factored or plain, got {self.optimizer!r}")
-        check(self.tau > 0, *key("tau"), f"must be > 0, got {self.tau}")
-        check(self.eta is None or self.eta >= 0, *key("eta"), f"must be >= 0 or null (auto), got {self.eta}")
-        check(self.warm >= 0, *key("warm"), f"must be >= 0, got {self.warm}")
-        check(0 <= self.b1 < 1, *key("b1"), f"must be in [0, 1), got {self.b1}")
-        check(0 <= self.b2 < 1, *key("b2"), f"must be in [0, 1), got {self.b2}")
-        check(self.eps > 0, *key("eps"), f"must be > 0, got {self.eps}")
-        check(self.clamp >= self.tau, *key("clamp"), f"must be >= tau {self.tau}, got {self.clamp}")
-        check(0 <= self.hyst < self.tau, *key("hyst"), f"must be in [0, tau {self.tau}), got {self.hyst}")
-        check(0 < self.max_step_flip <= 1, *key("max_step_flip"), f"must be in (0, 1], got {self.max_step_flip}")
-        check(0 < self.max_total_flip <= 1, *key("max_total_flip"), f"must be in (0, 1], got {self.max_total_flip}")
+        check(self.clamp >= self.tau, "train", "signs.clamp", f"must be >= tau {self.tau}, got {self.clamp}")
+        check(self.hyst < self.tau, "train", "signs.hyst", f"must be in [0, tau {self.tau}), got {self.hyst}")
 
     def peak_eta(self, total_steps: int) -> float:
         if self.eta is not None:
@@ -74,7 +68,10 @@ class SignSettings:
 
 
 class SignTrainer:
-    """The latents and optimizer state of every sign matrix, updated from inside the backward pass."""
+    """The latents and optimizer state of every sign matrix, updated from inside the backward pass; a
+    training mode of `nvg.distill.Distiller` (its hooks are documented there)."""
+
+    name = "signs"
 
     def __init__(self, model, settings: SignSettings, total_steps: int, group):
         self.s, self.group = settings, group
@@ -88,7 +85,7 @@ class SignTrainer:
                 key = f"{name}:{part}"
                 self.mats[key] = getattr(m, part)
                 self.role[key] = parse_body_linear(name)[1] if parse_body_linear(name) else "other"
-        self.state = {k: self._fresh(p) for k, p in self.mats.items()}
+        self.latents = {k: self._fresh(p) for k, p in self.mats.items()}
         self.counters = {"sign_steps": 0, "eta_mul": 1.0, "hi_streak": 0, "bad_evals": 0,
                          "flips_total": 0, "saturated_total": 0, "clamped_total": 0}
         self.live = sum(p.numel() for p in self.mats.values())
@@ -139,7 +136,7 @@ class SignTrainer:
         self._step["nonfinite"] += bad.sum()
         any_bad = bad.any()
         w = (~any_bad).to(g.dtype)
-        s, st = self.s, self.state[key]
+        s, st = self.s, self.latents[key]
         g = torch.where(any_bad, 0.0, g) * (2.0 / s.tau / self.gscale)  # straight through, surrogate slope 2/τ
         t = self.counters["sign_steps"] + 1
         if s.optimizer == "adam":
@@ -178,6 +175,12 @@ class SignTrainer:
         c["clamped_total"] += clamped
         return {"flips": flips, "flip_rate": flips / max(1, self.live), "nonfinite": nonfinite, "eta": self.eta}
 
+    def after_step(self, step: dict) -> tuple[dict, str, list[str]]:
+        """After a completed step: metric fields, the progress note and the flip-rate guard's line."""
+        note = self.flip_guard(step)
+        return ({"sign_eta": step["eta"], "sign_flips": step["flips"]},
+                f"  η {step['eta']:.2e} flips {step['flips']} ({step['flip_rate']:.1e})", [note] if note else [])
+
     def flip_guard(self, step: dict) -> str | None:
         """After a completed step: halve η when the flip rate exceeded `max_step_flip` three steps running."""
         c, s = self.counters, self.s
@@ -197,7 +200,7 @@ class SignTrainer:
         per_role = {r: [0, 0] for r in ROLES}
         for key, p in self.mats.items():
             acc = per_role.setdefault(self.role[key], [0, 0])
-            acc[0] += int(((p > 0) != self.state[key]["orig"]).sum())
+            acc[0] += int(((p > 0) != self.latents[key]["orig"]).sum())
             acc[1] += p.numel()
         distinct = sum(a[0] for a in per_role.values())
         c = self.counters
@@ -231,25 +234,28 @@ class SignTrainer:
             c["bad_evals"] = 0
         return {k: v for k, v in stats.items() if k != "flips"}, lines
 
-    def bits(self) -> dict:
+    def snapshot(self) -> dict[str, torch.Tensor]:
         """The current bits, 1 byte per sign (for the best snapshot)."""
         return {k: (p.detach() > 0).cpu() for k, p in self.mats.items()}
 
     @torch.no_grad()
-    def restore_bits(self, bits: dict) -> None:
+    def restore(self, bits: dict[str, torch.Tensor]) -> None:
         for k, p in self.mats.items():
             p.copy_(bits[k].to(p.device).float() * 2 - 1)
 
-    def state_dict(self) -> dict:
-        return {"counters": dict(self.counters), "bits": self.bits(),
-                "state": {k: {n: t.cpu() for n, t in st.items()} for k, st in self.state.items()}}
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The resumable state: the bits and every latent's optimizer tensors, and the counters."""
+        tensors = {f"bits/{k}": v for k, v in self.snapshot().items()}
+        for k, st in self.latents.items():
+            tensors.update({f"{n}/{k}": t.cpu() for n, t in st.items()})
+        return tensors, {"counters": dict(self.counters)}
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.counters = dict(sd["counters"])
-        self.restore_bits(sd["bits"])
-        for k, st in sd["state"].items():
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self.counters = dict(meta["counters"])
+        self.restore({k[len("bits/"):]: v for k, v in tensors.items() if k.startswith("bits/")})
+        for k, st in self.latents.items():
             dev = self.mats[k].device
-            self.state[k] = {n: t.to(dev) for n, t in st.items()}
+            self.latents[k] = {n: tensors[f"{n}/{k}"].to(dev) for n in st}
 
     def provenance(self) -> dict:
         st = self.stats()

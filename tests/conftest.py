@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
@@ -103,17 +107,19 @@ def real_teacher_cmf(tmp_path_factory) -> Path:
 def tiny_stages(tiny_cmf, tiny_corpus, tmp_path_factory) -> Path:
     """The tiny teacher's stage outputs: windows.h5 (1536 + 8 × 32 tokens), topk.0.h5 (k 8), grams.h5 and the
     encoded 2-bpw student student.cmf / student.json, made by the step modules themselves."""
-    from nvg.budget_reencode import EncodeSettings, main as encode
+    from nvg.budget_reencode import main as encode
+    from nvg.encoder import EncodeSettings
     from nvg.gram_capture import GramSettings, main as capture
+    from nvg.settings import load
     from nvg.teacher_topk import TopkSettings, main as topk
     from nvg.tokenize_windows import WindowSettings, main as make_windows
 
     d = tmp_path_factory.mktemp("stages")
-    make_windows(tiny_cmf, d / "windows.h5", WindowSettings(sources=[{"path": str(tiny_corpus / "story.txt")}],
+    make_windows(tiny_cmf, d / "windows.h5", load(WindowSettings, sources=[{"path": str(tiny_corpus / "story.txt")}],
                                                             tokens=1536, window=32, eval_windows=8))
-    topk(tiny_cmf, d / "windows.h5", 0, d / "topk.0.h5", TopkSettings(k=8, shards=1, batch=8))
-    capture(tiny_cmf, d / "windows.h5", d / "grams.h5", GramSettings(fit_windows=16, sel_windows=8))
-    encode(tiny_cmf, d / "grams.h5", d / "student.cmf", d / "student.json", EncodeSettings(bpw=2.0, device="cpu"))
+    topk(tiny_cmf, d / "windows.h5", 0, d / "topk.0.h5", load(TopkSettings, k=8, shards=1, batch=8))
+    capture(tiny_cmf, d / "windows.h5", d / "grams.h5", load(GramSettings, fit_windows=16, sel_windows=8))
+    encode(tiny_cmf, d / "grams.h5", d / "student.cmf", d / "student.json", load(EncodeSettings, bpw=2.0, device="cpu"))
     return d
 
 
@@ -129,9 +135,79 @@ def stage_inputs(tiny_stages, tmp_path_factory):
 def train(d, name, **kw):
     """Run train_student on the stage copy in `d`: outputs `<name>.cmf` and `<name>.jsonl`, state under `state-<name>`."""
     from nvg.cmf import read_cmf
+    from nvg.settings import load
     from nvg.train_student import TrainSettings, main
 
-    s = TrainSettings(**{"epochs": 2, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2,
+    s = load(TrainSettings, **{"epochs": 2, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2,
                          "state_root": str(d / f"state-{name}"), **kw})
     main(d / "student.cmf", d / "windows.h5", [d / "topk.0.h5"], "tiny", d / f"{name}.cmf", d / f"{name}.jsonl", s)
     return read_cmf(d / f"{name}.cmf")
+
+
+def fails_cleanly(cli, argv: list, capsys, names: str, problem: str, outputs: list[Path]) -> None:
+    """One `nvg: error:` line naming the file or key and the problem, exit 2, and no output written."""
+    with pytest.raises(SystemExit) as exit_:
+        cli([str(a) for a in argv])
+    assert exit_.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("nvg: error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], lines
+    assert names in errors[0] and problem in errors[0], errors[0]
+    for out in outputs:
+        assert not out.exists() and not list(out.parent.glob(f".{out.name}.tmp*")), out
+
+
+def corrupt(src: Path, dst: Path, how: str) -> Path:
+    raw = bytearray(src.read_bytes())
+    if how == "truncated":
+        raw = raw[: len(raw) // 2]
+    elif how == "magic":
+        raw[0:4] = b"XXXX"
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+# ── real Snakemake runs of the whole DAG on the tiny teacher ──
+
+def tiny_config(teacher: Path, corpus: Path) -> dict:
+    return {
+        "teacher": str(teacher),
+        "data": {"sources": [{"path": str(corpus / "story.txt"), "weight": 2.0},
+                             {"path": str(corpus / "chat.jsonl"), "weight": 1.0}],
+                 "tokens": 3072, "window": 32, "eval_windows": 8, "seed": 7},
+        "teacher_topk": {"k": 8, "shards": 2, "batch": 8},
+        "grams": {"fit_windows": 16, "sel_windows": 8, "batch": 8},
+        "encode": {"bpw": 2.0, "iters": 2},
+        "dtgma": {"keep": 0.5, "align": 8, "max_steps": 20, "eval_every": 5, "batch": 8},
+        "train": {"epochs": 2, "batch": 8, "lr": 0.005, "eval_every": 4, "state_every": 4},
+        "evaluate": {"batch": 8, "ood": str(corpus / "story.txt"), "ood_tokens": 256},
+    }
+
+
+def snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+           "--configfile", str(workdir / "config.yaml"), "--cores", "2", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def planned_jobs(workdir: Path, config: dict) -> set[str]:
+    """The rules a dry run would execute, read from its job-stats table."""
+    out = snakemake(workdir, config, "-n", "--quiet", "rules")
+    text = out.stdout + out.stderr
+    if "Nothing to be done" in text:
+        return set()
+    jobs = set(re.findall(r"^(\w+)\s+\d+\s*$", text, flags=re.M)) - {"total", "all"}
+    assert jobs, text
+    return jobs
+
+
+@pytest.fixture(scope="session")
+def finished_run(tiny_hf, tiny_corpus, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run")
+    config = tiny_config(tiny_hf, tiny_corpus)
+    snakemake(workdir, config)
+    return workdir, config

@@ -8,10 +8,13 @@ import pytest
 import torch
 
 from nvg import blr as codec
-from nvg.budget_reencode import EncodeSettings, encode_tensor, main
+from nvg.budget_reencode import main
+from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.cmf import BLR, read_cmf
 from nvg.errors import NvgError
 from nvg.plan import parse_plan, read_plan
+from nvg.settings import load
+from tests.conftest import REPO
 
 NAMES = [f"model.layers.{i}.{s}.weight" for i in range(4) for s in ("self_attn.q_proj", "mlp.down_proj")]
 
@@ -63,7 +66,7 @@ def test_data_aware_encoder_beats_dual_svid(bpw):
     w, h_fit, h_sel = correlated_problem()
     errs = {}
     for method in ("dual-svid", "nvg"):
-        blr, row = encode_tensor(w, h_fit, h_sel, bpw, "up", 16, EncodeSettings(method=method, device="cpu"), torch.device("cpu"), "t")
+        blr, row = encode_tensor(w, h_fit, h_sel, bpw, "up", 16, load(EncodeSettings, method=method, device="cpu"), torch.device("cpu"), "t")
         assert row["bpw"] <= bpw and row["rank"] % 8 == 0
         assert len(blr.encode()) == codec.payload_nbytes(row["paths"], row["rank"], 96, 128)
         errs[method] = row["rel_sel_error"]
@@ -73,7 +76,7 @@ def test_data_aware_encoder_beats_dual_svid(bpw):
 def test_a_budget_below_rank_8_names_the_minimum():
     w, h_fit, h_sel = correlated_problem()
     with pytest.raises(NvgError, match=r"t: 0.1000 bpw cannot hold even rank 8 \(the minimum is"):
-        encode_tensor(w, h_fit, h_sel, 0.1, "up", 16, EncodeSettings(paths="1"), torch.device("cpu"), "t")
+        encode_tensor(w, h_fit, h_sel, 0.1, "up", 16, load(EncodeSettings, paths="1"), torch.device("cpu"), "t")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +104,7 @@ def test_encode_report_and_student_file(encoded, tiny_cmf):
 def test_reencode_changes_only_planned_tensors(encoded, tiny_cmf):
     plan = encoded / "plan.txt"
     plan.write_text("default 2.0\ntensor model.layers.1.mlp.down_proj.weight 3.0\n")
-    main(tiny_cmf, encoded / "grams.h5", encoded / "re.cmf", encoded / "re.json", EncodeSettings(bpw=2.0, device="cpu"),
+    main(tiny_cmf, encoded / "grams.h5", encoded / "re.cmf", encoded / "re.json", load(EncodeSettings, bpw=2.0, device="cpu"),
          plan_path=plan, student=encoded / "enc.cmf")
     old, new = read_cmf(encoded / "enc.cmf"), read_cmf(encoded / "re.cmf")
     changed = [n for n in old.tensors if bytes(old.tensors[n].data) != bytes(new.tensors[n].data)]
@@ -114,7 +117,7 @@ def test_plan_error_comes_before_any_model_is_read(tmp_path):
     plan.write_text("default 1.0\nlayer one 2.0\n")
     with pytest.raises(NvgError, match="plan.txt: line 2"):
         main(tmp_path / "missing-teacher.cmf", tmp_path / "g.h5", tmp_path / "o.cmf", tmp_path / "o.json",
-             EncodeSettings(), plan_path=plan)
+             load(EncodeSettings), plan_path=plan)
     assert not (tmp_path / "o.cmf").exists()
 
 
@@ -138,3 +141,20 @@ def test_blocked_cpu_sign_sweep_equals_the_plain_sweep(o, r):
         plain[:, k] = torch.where(flip, -sk, sk)
     assert (plain != su).any()
     assert torch.equal(flip_u_signs(su, h, G, c), plain)
+
+
+def test_config_paths_reach_the_shell_as_one_quoted_word(tiny_hf, tiny_corpus, tmp_path):
+    """A plan path with spaces, quotes and $(...) is passed to the step module verbatim and never run."""
+    import shlex
+
+    from tests.conftest import snakemake, tiny_config
+
+    plan = tmp_path / "my plan $(touch INJECTED) 'q\".txt"
+    plan.write_text("default 2.0\n")
+    config = {**tiny_config(tiny_hf, tiny_corpus), "plan": str(plan)}
+    out = snakemake(tmp_path, config, "-n", "-p", "results/student/encoded.cmf")
+    commands = [line for line in out.stdout.splitlines() if "nvg.budget_reencode" in line]
+    assert len(commands) == 1, out.stdout
+    argv = shlex.split(commands[0].split("Shell command:", 1)[-1].split(">", 1)[0])
+    assert argv[argv.index("--plan") + 1] == str(plan)
+    assert not (tmp_path / "INJECTED").exists() and not (REPO / "INJECTED").exists()

@@ -11,8 +11,7 @@ import sys
 import yaml
 
 from nvg.cmf import verify
-from tests.conftest import REPO
-from tests.test_workflow import tiny_config
+from tests.conftest import REPO, tiny_config
 
 PROFILE = REPO / "tests/profiles/cluster-generic"
 GPU_RULES = {"teacher_topk", "gram_capture", "budget_reencode", "train_student", "evaluate"}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nvg import budget_reencode as enc
+from nvg import encoder as enc
 from nvg import sign_sweep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compares CUDA fast paths; needs a GPU")
@@ -30,7 +30,7 @@ def test_encoding_on_cuda_matches_the_cpu():
     rng = np.random.default_rng(0)
     X = rng.standard_normal((2048, 576)).astype(np.float32) * rng.uniform(0.1, 3, 576).astype(np.float32)
     W, H = rng.standard_normal((1536, 576)).astype(np.float32) * 0.05, (X.T @ X).astype(np.float32)
-    s = enc.EncodeSettings(bpw=1.0)
+    s = load(enc.EncodeSettings, bpw=1.0)
     _, cpu = enc.encode_tensor(W, H, H, 1.0, "gate", 64, s, torch.device("cpu"), "gate")
     _, gpu = enc.encode_tensor(W, H, H, 1.0, "gate", 64, s, torch.device("cuda"), "gate")
     assert (gpu["paths"], gpu["rank"]) == (cpu["paths"], cpu["rank"])
@@ -39,7 +39,7 @@ def test_encoding_on_cuda_matches_the_cpu():
 
 def _loss_and_grads(model, ids, t_ids, t_logp, recompute_every):
     from nvg.losses import topk_kl
-    from nvg.train_student import trainable
+    from nvg.distill import trainable
 
     params = trainable(model)
     loss = topk_kl(model.hidden(ids, recompute_every), model.head_weight, t_ids, t_logp) / ids.numel()
@@ -51,8 +51,7 @@ def test_compiled_blocks_with_recompute_match_the_eager_cpu_model(stage_inputs):
     """The training fast path (inductor-compiled blocks, checkpointed, compiled KL blocks) against the
     eager CPU model: same loss, same gradients of every scale and gain (float32 on both)."""
     from nvg.model import compile_blocks, load_model
-    from nvg.teacher_topk import read_topk
-    from nvg.tokenize_windows import read_windows
+    from nvg.artifacts import read_topk, read_windows
 
     tokens, _ = read_windows(stage_inputs / "windows.h5")
     t_ids, t_logp = read_topk([stage_inputs / "topk.0.h5"], len(tokens))
@@ -115,14 +114,14 @@ def test_gpu_stage_modules_match_the_cpu(tiny_cmf, stage_inputs, tmp_path):
     d = stage_inputs  # (made on whatever device the fixture found: only the CPU runs below are the reference)
     for device in ("cpu", "cuda"):
         teacher_topk.main(tiny_cmf, d / "windows.h5", 0, tmp_path / f"topk-{device}.h5",
-                          teacher_topk.TopkSettings(k=8, shards=1, batch=8, device=device, precision="fp32"))
+                          load(teacher_topk.TopkSettings, k=8, shards=1, batch=8, device=device, precision="fp32"))
     with h5py.File(tmp_path / "topk-cpu.h5") as cpu, h5py.File(tmp_path / "topk-cuda.h5") as gpu:
         np.testing.assert_allclose(gpu["logp"][...], cpu["logp"][...], atol=1e-2)  # float16 in the file: 2 ULPs at |logp| 4-8
         assert (gpu["ids"][...] == cpu["ids"][...]).mean() > 0.99
     grams = {}
     for device in ("cpu", "cuda"):
         gram_capture.main(tiny_cmf, d / "windows.h5", tmp_path / f"grams-{device}.h5",
-                          gram_capture.GramSettings(fit_windows=16, sel_windows=8, device=device, precision="fp32"))
+                          load(gram_capture.GramSettings, fit_windows=16, sel_windows=8, device=device, precision="fp32"))
         with h5py.File(tmp_path / f"grams-{device}.h5") as f:
             grams[device] = {k: f[k]["fit"][...] for k in ("layer0/attn_in", "layer1/mlp_down")}
     for k, g in grams["cpu"].items():
@@ -131,12 +130,12 @@ def test_gpu_stage_modules_match_the_cpu(tiny_cmf, stage_inputs, tmp_path):
     for device in ("cpu", "cuda"):
         out = tmp_path / f"eval-{device}.json"
         evaluate.main(tiny_cmf, d / "student.cmf", d / "student.cmf", d / "windows.h5", [d / "topk.0.h5"], out,
-                      evaluate.EvalSettings(batch=4, ood=None, device=device, precision="fp32"), [])
+                      load(evaluate.EvalSettings, batch=4, ood=None, device=device, precision="fp32"), [])
         reports[device] = json.loads(out.read_text())["heldout"]
     for model, metric in (("teacher", "perplexity"), ("final", "perplexity"), ("final", "kl_topk"), ("final", "kl_full")):
         assert reports["cuda"][model][metric] == pytest.approx(reports["cpu"][model][metric], rel=1e-3)
     dtgma_cut.main(d / "student.cmf", d / "windows.h5", [d / "topk.0.h5"], tmp_path / "cut.cmf",
-                   dtgma_cut.DtgmaSettings(keep=0.75, max_steps=6, eval_every=3, align=8, batch=4, device="cuda"))
+                   load(dtgma_cut.DtgmaSettings, keep=0.75, max_steps=6, eval_every=3, align=8, batch=4, device="cuda"))
     widths = [sum(t.shape[0] for n, t in read_cmf(p).tensors.items() if n.endswith("up_proj.weight"))
               for p in (d / "student.cmf", tmp_path / "cut.cmf")]
     assert widths[1] < widths[0]

@@ -3,18 +3,21 @@ and kill-and-resume with signs on is bit-identical."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 from nvg import blr as codec
 from nvg.cmf import BLR, read_cmf
+from nvg.distill import lr_shape
 from nvg.distributed import Group
 from nvg.errors import NvgError
 from nvg.model import BlrLinear
-from nvg.settings import from_json
+from nvg.settings import load
 from nvg.sign_training import SignSettings, SignTrainer
-from nvg.train_student import lr_shape
 from tests.conftest import train
 
 SIGNS = {"enabled": True, "warm": 0}
@@ -82,7 +85,7 @@ def run_toy(student, target, settings: SignSettings, steps: int, seed=1):
 def test_a_toy_problem_that_needs_flips_is_solved(optimizer):
     target, student = toy()
     wrong = int((student.su != target.su).sum() + (student.sv != target.sv).sum())
-    settings = SignSettings(enabled=True, optimizer=optimizer, eta=0.01, warm=2, max_step_flip=1.0, max_total_flip=1.0)
+    settings = load(SignSettings, enabled=True, optimizer=optimizer, eta=0.01, warm=2, max_step_flip=1.0, max_total_flip=1.0)
     trainer, losses, _ = run_toy(student, target, settings, 400)
     still_wrong = int((student.su != target.su).sum() + (student.sv != target.sv).sum())
     assert wrong > 100 and still_wrong < 0.1 * wrong, (wrong, still_wrong)
@@ -94,7 +97,7 @@ def test_adam_moves_every_latent_at_the_same_speed_and_solves_less():
     """Per-sign second moments make every latent move by about η per step, noise or not: on the toy it
     lowers the loss but flips many correct bits too. This is why `factored` is the default."""
     target, student = toy()
-    settings = SignSettings(enabled=True, optimizer="adam", eta=0.01, warm=2, max_step_flip=1.0, max_total_flip=1.0)
+    settings = load(SignSettings, enabled=True, optimizer="adam", eta=0.01, warm=2, max_step_flip=1.0, max_total_flip=1.0)
     _, losses, _ = run_toy(student, target, settings, 400)
     assert 0.05 * losses[0] < losses[-1] < losses[0]
 
@@ -102,25 +105,25 @@ def test_adam_moves_every_latent_at_the_same_speed_and_solves_less():
 @pytest.mark.parametrize("optimizer", ["adam", "factored", "plain"])
 def test_a_non_finite_sign_gradient_leaves_the_matrix_as_it_was(optimizer):
     target, student = toy()
-    settings = SignSettings(enabled=True, optimizer=optimizer, eta=0.05, warm=0, max_step_flip=1.0, max_total_flip=1.0)
+    settings = load(SignSettings, enabled=True, optimizer=optimizer, eta=0.05, warm=0, max_step_flip=1.0, max_total_flip=1.0)
     trainer, _, _ = run_toy(student, target, settings, 3)
-    before = {k: {n: t.clone() for n, t in st.items()} for k, st in trainer.state.items()}
-    bits = trainer.bits()
+    before = {k: {n: t.clone() for n, t in st.items()} for k, st in trainer.latents.items()}
+    bits = trainer.snapshot()
     trainer.begin_step(1.0, 1.0)
     x = torch.randn(4, student.g.shape[1])
     x[0, 0] = float("inf")
     (student(x) - target(x)).pow(2).mean().backward()
     step = trainer.end_step()
     assert step["nonfinite"] > 0 and step["flips"] == 0
-    assert all(torch.equal(bits[k], b) for k, b in trainer.bits().items())
-    for key, st in trainer.state.items():
+    assert all(torch.equal(bits[k], b) for k, b in trainer.snapshot().items())
+    for key, st in trainer.latents.items():
         for name, t in st.items():
             assert torch.equal(t, before[key][name]), (key, name)
 
 
 def test_the_flip_rate_guard_halves_eta_after_three_hot_steps():
     target, student = toy()
-    settings = SignSettings(enabled=True, eta=0.5, warm=0, max_step_flip=1e-6, max_total_flip=1.0)
+    settings = load(SignSettings, enabled=True, eta=0.5, warm=0, max_step_flip=1e-6, max_total_flip=1.0)
     trainer, _, notes = run_toy(student, target, settings, 7)
     assert notes and "flip rate" in notes[0]
     assert trainer.counters["eta_mul"] < 1.0
@@ -128,7 +131,7 @@ def test_the_flip_rate_guard_halves_eta_after_three_hot_steps():
 
 def test_the_total_flip_and_heldout_guards():
     target, student = toy()
-    trainer, _, _ = run_toy(student, target, SignSettings(enabled=True, eta=0.5, warm=0, max_step_flip=1.0, max_total_flip=1e-4), 5)
+    trainer, _, _ = run_toy(student, target, load(SignSettings, enabled=True, eta=0.5, warm=0, max_step_flip=1.0, max_total_flip=1e-4), 5)
     guards = lambda kl: [n for n in trainer.after_eval(heldout_kl=kl, best_kl=1.0)[1] if n.startswith("guard")]  # noqa: E731
     notes = guards(1.0)
     assert any("of signs flipped" in n for n in notes) and trainer.counters["eta_mul"] == 0.5
@@ -163,17 +166,18 @@ def test_resume_with_signs_is_bit_identical(stage_inputs):
     kw = {"signs": {**SIGNS, "eta": 0.05, "optimizer": "factored"}}
     whole = train(stage_inputs, "signs-whole", **kw).path.read_bytes()
     train(stage_inputs, "signs-resumed", stop_after=5, **kw)
-    state = next((stage_inputs / "state-signs-resumed").glob("*/state.pt"))
-    assert torch.load(state, weights_only=False)["signs"]["counters"]["sign_steps"] == 4
+    state = next((stage_inputs / "state-signs-resumed").glob("*/state.safetensors"))
+    with safe_open(str(state), "pt") as f:
+        assert json.loads(f.metadata()["nvg_train_state"])["modes"]["signs"]["counters"]["sign_steps"] == 4
     assert train(stage_inputs, "signs-resumed", **kw).path.read_bytes() == whole
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"optimizer": "lion"}', "train.signs.optimizer: adam, factored or plain"),
+    ('{"optimizer": "lion"}', "train.signs.optimizer: 'lion' is not one of"),
     ('{"hyst": 2.0}', "train.signs.hyst: must be in [0, tau"),
     ('{"clamp": 0.5}', "train.signs.clamp: must be >= tau"),
     ('{"typo": 1}', "train.signs.typo: unknown key"),
 ])
 def test_bad_sign_settings(text, message):
     with pytest.raises(NvgError, match=message.replace("[", r"\[")):
-        from_json(SignSettings, text, "train.signs")
+        load(SignSettings, text)

@@ -9,8 +9,10 @@ import torch
 import pytest
 
 from nvg.losses import topk_kl, topk_last, topk_logprobs
-from nvg.teacher_topk import TopkSettings, main, read_topk
+from nvg.artifacts import read_topk
+from nvg.teacher_topk import TopkSettings, main
 from nvg.tokenize_windows import WindowSettings, main as make_windows
+from nvg.settings import load
 
 
 def test_chunked_topk_equals_full_log_softmax():
@@ -57,9 +59,9 @@ def test_chunked_kl_equals_the_direct_formula_and_its_gradient():
 
 
 def test_shards_cover_every_window(tiny_cmf, tiny_corpus, tmp_path):
-    make_windows(tiny_cmf, tmp_path / "w.h5", WindowSettings(sources=[{"path": str(tiny_corpus / "story.txt")}],
+    make_windows(tiny_cmf, tmp_path / "w.h5", load(WindowSettings, sources=[{"path": str(tiny_corpus / "story.txt")}],
                                                             tokens=512, window=32, eval_windows=4))
-    settings = TopkSettings(k=8, shards=3, batch=2)
+    settings = load(TopkSettings, k=8, shards=3, batch=2)
     paths = [tmp_path / f"topk.{s}.h5" for s in range(3)]
     for s, p in enumerate(paths):
         main(tiny_cmf, tmp_path / "w.h5", s, p, settings)

@@ -10,12 +10,14 @@ from tokenizers import Tokenizer
 
 from nvg.cmf import read_cmf
 from nvg.errors import NvgError
-from nvg.tokenize_windows import WindowSettings, main, read_windows, split_budget
-from nvg.settings import from_json
+from nvg.artifacts import read_windows
+from nvg.sources import split_budget
+from nvg.tokenize_windows import WindowSettings, main
+from nvg.settings import load
 
 
 def run(tiny_cmf, tmp_path, name="w.h5", **kw):
-    settings = WindowSettings(**{"tokens": 1024, "window": 32, "eval_windows": 4, **kw})
+    settings = load(WindowSettings, **{"tokens": 1024, "window": 32, "eval_windows": 4, **kw})
     main(tiny_cmf, tmp_path / name, settings)
     return read_windows(tmp_path / name)
 
@@ -60,7 +62,7 @@ def test_folder_json_pairs_and_pkg_sources(tiny_cmf, tiny_corpus, tmp_path):
     ({"sources": [{"path": "/nonexistent/file.txt"}]}, "calibration source not found"),
     ({"sources": [{"path": "EMPTY"}]}, "not one 32-token window"),
     ({"sources": [{"path": "STORY"}], "window": 512}, "exceeds the teacher's max_position_embeddings 256"),
-    ({"sources": [{"path": "STORY"}], "tokens": 32, "eval_windows": 4}, "too few windows"),
+    ({"sources": [{"path": "STORY"}], "tokens": 16, "eval_windows": 4}, "too few windows"),
     ({"sources": [{"path": "BADJSONL"}]}, "line 1: needs a 'text' string"),
 ])
 def test_bad_sources_are_one_clear_error(tiny_cmf, tiny_corpus, tmp_path, kw, message):
@@ -74,11 +76,12 @@ def test_bad_sources_are_one_clear_error(tiny_cmf, tiny_corpus, tmp_path, kw, me
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"sources": [{"path": "a"}], "tokens": "many"}', "data.tokens: expected int, got str"),
-    ('{"sources": [{"path": "a"}], "window": 4}', "data.window: must be >= 8"),
-    ('{"sources": [], "tokens": 10}', "data.sources: at least one"),
+    ('{"sources": [{"path": "a"}], "tokens": "many"}', "data.tokens: 'many' is not of type 'integer'"),
+    ('{"sources": [{"path": "a"}], "window": 4}', "data.window: 4 is less than the minimum of 8"),
+    ('{"sources": [], "tokens": 10}', r"data.sources: \[\] should be non-empty"),
+    ('{"sources": [{"path": "a", "weight": 0}]}', "data.sources.0.weight: 0 is less than or equal to the minimum of 0"),
     ('{"sources": [{"path": "a"}], "windw": 4}', "data.windw: unknown key"),
 ])
 def test_settings_are_validated_with_the_key_named(text, message):
     with pytest.raises(NvgError, match=message):
-        from_json(WindowSettings, text, "data")
+        load(WindowSettings, text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -10,9 +11,18 @@ import torch
 from nvg.cmf import BLR, read_cmf, verify
 from nvg.errors import NvgError
 from nvg.model import load_model
-from nvg.settings import from_json
-from nvg.train_student import TrainSettings, lr_shape, main, trainable
+from nvg.settings import load
+from nvg.distill import lr_shape, trainable
+from nvg.train_student import TrainSettings, main
 from tests.conftest import train
+
+
+def saved_counters(path) -> dict:
+    """The JSON counters of a saved training state (safetensors metadata)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["nvg_train_state"])["run"]
 
 
 def test_schedule_warms_up_then_cosines_to_zero():
@@ -53,8 +63,8 @@ def test_training_lowers_heldout_kl_and_keeps_the_layout(stage_inputs):
 def test_resume_after_a_stop_is_bit_identical(stage_inputs):
     whole = train(stage_inputs, "uninterrupted").path.read_bytes()
     train(stage_inputs, "resumed", stop_after=5)  # state saved at step 4; the run ends at 5
-    states = list((stage_inputs / "state-resumed").glob("*/state.pt"))
-    assert len(states) == 1 and torch.load(states[0], weights_only=False)["done"] == 4
+    states = list((stage_inputs / "state-resumed").glob("*/state.safetensors"))
+    assert len(states) == 1 and saved_counters(states[0])["done"] == 4
     resumed = train(stage_inputs, "resumed")  # same settings: resumes from step 4
     assert resumed.path.read_bytes() == whole
 
@@ -109,15 +119,17 @@ def test_two_processes_under_torchrun_match_one(stage_inputs):
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"lr": 0}', "train.lr: must be > 0"),
-    ('{"gpus": 3}', "train.gpus: must be >= 1 and divide train.batch 4"),
-    ('{"precision": "int8"}', "train.precision"),
-    ('{"epochs": 1.5}', "train.epochs: expected int"),
-    ('{"stop_after": 0}', "train.stop_after"),
+    ('{"lr": 0}', "train.lr: 0 is less than or equal to the minimum of 0"),
+    ('{"gpus": 3}', "train.gpus: must divide train.batch 4, got 3"),
+    ('{"precision": "int8"}', "train.precision: 'int8' is not one of"),
+    ('{"epochs": 1.5}', "train.epochs: 1.5 is not of type 'integer'"),
+    ('{"stop_after": 0}', "train.stop_after: 0 is less than the minimum of 1"),
+    ('{"signs": {"tau": 0}}', "train.signs.tau: 0 is less than or equal to the minimum of 0"),
+    ('{"signz": {}}', "train.signz: unknown key"),
 ])
 def test_bad_settings(text, message):
     with pytest.raises(NvgError, match=message):
-        from_json(TrainSettings, text, "train")
+        load(TrainSettings, text)
 
 
 def test_a_non_finite_step_is_skipped_counted_and_logged(stage_inputs):
@@ -132,7 +144,7 @@ def test_a_non_finite_step_is_skipped_counted_and_logged(stage_inputs):
         logp = f["logp"][0]
         logp[5] = np.nan  # one poisoned token in training window 0: its batch gives a NaN loss
         f["logp"][0] = logp
-    s = TrainSettings(epochs=2, batch=8, lr=0.01, eval_every=100, state_every=0, precision="fp16",
+    s = load(TrainSettings, epochs=2, batch=8, lr=0.01, eval_every=100, state_every=0, precision="fp16",
                       state_root=str(d / "state-nan"))
     main(d / "student.cmf", d / "windows.h5", [d / "topk-nan.h5"], "tiny", d / "nan.cmf", d / "nan.jsonl", s)
     block = read_cmf(d / "nan.cmf").header["provenance"]["nvg_train"]
@@ -140,3 +152,23 @@ def test_a_non_finite_step_is_skipped_counted_and_logged(stage_inputs):
     assert any(json.loads(x).get("skipped") for x in (d / "nan.jsonl").read_text().splitlines())
     model = load_model(d / "nan.cmf")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class Planted:
+    """Unpickling this runs a command: what a state file must never be able to do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_pickle_as_training_state_is_refused_and_never_run(stage_inputs, tmp_path):
+    train(stage_inputs, "planted", stop_after=2)  # leaves a state at step 2
+    (state,) = (stage_inputs / "state-planted").glob("*/state.safetensors")
+    marker = tmp_path / "INJECTED"
+    torch.save({"done": 2, "evil": Planted(marker)}, state)
+    with pytest.raises(NvgError, match=f"{state}: not a readable training state"):
+        train(stage_inputs, "planted")
+    assert not marker.exists()

@@ -21,8 +21,9 @@ rule budget_reencode:
         "benchmarks/budget_reencode.tsv"
     params:
         settings=settings("encode"),
-        plan=f"--plan {config['plan']}" if config["plan"] else "",
-        student=f"--student {config['student']}" if config["student"] else "",
+        # a config path reaches the shell only as one shlex-quoted word
+        plan=f"--plan {shlex.quote(config['plan'])}" if config["plan"] else "",
+        student=f"--student {shlex.quote(config['student'])}" if config["student"] else "",
     threads: 2
     resources:
         gpu=1,

@@ -1,19 +1,21 @@
 # Helpers shared by every rule: config validation, settings as params, step-module sources as inputs.
 import ast
 import json
+import shlex
 import sys
 from pathlib import Path
 
 from snakemake.utils import validate
 
-from nvg.config import config_error
+from nvg.config import SCHEMA_PATH, config_error
+from nvg.errors import NvgError
+from nvg.sources import resolve_path
 
-SCHEMA = Path(workflow.basedir) / "workflow/schemas/config.schema.yaml"
 # One line naming the file, the key and the problem, before any job; then Snakemake fills in defaults.
-if problem := config_error(config, SCHEMA, workflow.configfiles):
+if problem := config_error(config, SCHEMA_PATH, workflow.configfiles):
     sys.stderr.write(f"error: {problem}\n")
     sys.exit(2)
-validate(config, schema=str(SCHEMA))
+validate(config, schema=str(SCHEMA_PATH))
 
 NVG = Path(workflow.basedir) / "nvg"
 
@@ -24,8 +26,9 @@ def settings(block, **extra):
 
 
 def nvg_sources(stage):
-    """The step module's file and every nvg module it imports, transitively: a code change reruns the stage."""
-    seen, todo = set(), [stage]
+    """The step module's file and every nvg module it imports, transitively (the package's __init__
+    runs for any of them): a code change reruns exactly the stages that run that code."""
+    seen, todo = set(), [stage, "__init__"]
     while todo:
         mod = todo.pop()
         path = NVG / f"{mod}.py"
@@ -39,17 +42,13 @@ def nvg_sources(stage):
     return sorted(str(NVG / f"{m}.py") for m in seen)
 
 
-def resolve_source(spec):
-    """A path, or `pkg:<module>/<path>` inside an installed package (found without importing it)."""
-    if not spec.startswith("pkg:"):
-        return spec
-    import importlib.util
-
-    package, _, rel = spec[4:].partition("/")
-    found = importlib.util.find_spec(package)
-    if found is None:
-        raise WorkflowError(f"config teacher: package {package!r} is not installed (see README: setup)")
-    return str(Path(list(found.submodule_search_locations)[0]) / rel)
+def teacher_source():
+    """The teacher's file or folder; `pkg:<module>/<path>` resolved without importing the package."""
+    try:
+        return str(resolve_path(config["teacher"]))
+    except NvgError as e:
+        sys.stderr.write(f"error: config teacher: {e}\n")
+        sys.exit(2)
 
 
 def train_launcher():

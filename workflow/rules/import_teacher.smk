@@ -1,6 +1,6 @@
 rule import_teacher:
     input:
-        teacher=resolve_source(config["teacher"]),
+        teacher=teacher_source(),
         code=nvg_sources("import_teacher"),
     output:
         cmf="results/teacher.cmf",

@@ -1,0 +1,41 @@
+"""Where the body linears are and how many bits a file spends: the names every stage shares.
+
+A body linear is one of the seven projections of a decoder layer (q, k, v, o, gate, up, down); these
+are what the encoder turns into BLR. Bits are counted from the stored bytes, headers and scales
+included, never from a nominal rate."""
+
+from __future__ import annotations
+
+BODY_ROLES = {
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+}
+# The activation each body linear reads: linears that share an input share one Gram.
+ROLE_INPUT = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "attn_out", "gate": "mlp_in", "up": "mlp_in", "down": "mlp_down"}
+
+
+def parse_body_linear(name: str) -> tuple[int, str] | None:
+    """(layer, role) of a body linear's tensor name, else None."""
+    parts = name.split(".")
+    if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+        for role, suffix in BODY_ROLES.items():
+            if ".".join(parts[3:5]) == suffix:
+                return int(parts[2]), role
+    return None
+
+
+def bits_summary(cmf) -> dict:
+    """Bits per weight counted from stored bytes: of the body linears, and of the whole file's tensors."""
+    body_bytes = body_weights = all_bytes = all_weights = 0
+    for t in cmf.tensors.values():
+        all_bytes += len(t.data)
+        all_weights += t.numel
+        if parse_body_linear(t.name):
+            body_bytes += len(t.data)
+            body_weights += t.numel
+    return {
+        "body_bpw": 8 * body_bytes / max(1, body_weights),
+        "file_bpw": 8 * all_bytes / max(1, all_weights),
+        "body_weights": body_weights,
+        "all_weights": all_weights,
+    }

@@ -1,0 +1,124 @@
+"""Text sources: where calibration and evaluation text comes from, and how it becomes token ids.
+
+A source is a file or folder (.txt .md .rst; .jsonl with `text` or chat `messages`; .json arrays of
+[prompt, text] pairs), a glob, `pkg:<module>/<path>` inside an installed package (found without
+importing it), or `python-docs` (the Python language reference shipped with CPython). Chat messages
+are rendered with the teacher's own template, so special tokens get their real ids."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+
+from nvg.errors import NvgError
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".jsonl", ".json"}
+PYTHON_DOCS = "python-docs"
+
+
+def resolve_path(spec: str) -> Path:
+    """A path, or `pkg:<module>/<path>` inside an installed package (located without importing it)."""
+    if not spec.startswith("pkg:"):
+        return Path(spec)
+    module, _, rel = spec[4:].partition("/")
+    found = importlib.util.find_spec(module)
+    if found is None or not found.submodule_search_locations:
+        raise NvgError(f"{spec}: package {module!r} is not installed (see README: setup)")
+    return Path(list(found.submodule_search_locations)[0]) / rel
+
+
+class ChatRenderer:
+    """Renders chat `messages` with the teacher's template so special tokens get their real ids."""
+
+    def __init__(self, template: str | None, source):
+        self.template, self.source = template, source
+
+    def __call__(self, messages, add_generation_prompt: bool = False) -> str:
+        if not self.template:
+            raise NvgError(f"{self.source}: chat messages found but the teacher has no chat_template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+def source_files(spec: str) -> list[Path]:
+    path = resolve_path(spec)
+    if any(c in str(path) for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    elif path.exists():
+        files = [path]
+    else:
+        raise NvgError(f"{spec}: calibration source not found")
+    files = [f for f in files if f.suffix in TEXT_SUFFIXES or f.suffix == ""]
+    if not files:
+        raise NvgError(f"{spec}: no .txt/.md/.rst/.jsonl/.json files in this source")
+    return files
+
+
+def file_texts(path: Path, render_chat: ChatRenderer):
+    """Yield the documents of one file as strings."""
+    raw = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix == ".jsonl":
+        for n, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise NvgError(f"{path}: line {n}: not valid JSON: {e}") from None
+            if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+                yield rec["text"] + "\n"
+            elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+                yield render_chat(rec["messages"])
+            else:
+                raise NvgError(f"{path}: line {n}: needs a 'text' string or a 'messages' list")
+    elif path.suffix == ".json":
+        try:
+            items = json.loads(raw)
+        except ValueError as e:
+            raise NvgError(f"{path}: not valid JSON: {e}") from None
+        if not isinstance(items, list):
+            raise NvgError(f"{path}: expected a JSON array of [prompt, text] pairs")
+        for item in items:
+            parts = item if isinstance(item, list) else [item]
+            yield "".join(str(p) + "\n" for p in parts)
+    else:
+        yield raw
+
+
+def source_documents(spec: str, render_chat):
+    """Yield the documents of one source. `python-docs` is the Python language reference that ships
+    with every CPython (`pydoc_data.topics`, 0.46 MB of modern technical English): an out-of-domain
+    text that needs no download."""
+    if spec == PYTHON_DOCS:
+        from pydoc_data.topics import topics
+
+        yield from (topics[k] for k in sorted(topics))
+        return
+    for f in source_files(spec):
+        yield from file_texts(f, render_chat)
+
+
+def source_tokens(spec: str, budget: int, tokenizer, render_chat) -> np.ndarray:
+    """Up to `budget` token ids of one source, reading only as much text as it needs."""
+    ids: list[int] = []
+    for text in source_documents(spec, render_chat):
+        ids.extend(tokenizer.encode(text, add_special_tokens=False).ids)
+        if len(ids) >= budget:
+            return np.asarray(ids[:budget], dtype=np.int32)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def split_budget(weights: list[float], total: int) -> list[int]:
+    """`total` tokens shared by weight; the rounding remainder goes to the first sources."""
+    w = np.asarray(weights, dtype=np.float64)
+    shares = np.floor(total * w / w.sum()).astype(int)
+    shares[: total - shares.sum()] += 1
+    return shares.tolist()

@@ -1,0 +1,46 @@
+"""Stage evaluate: teacher, encoded and final student side by side, held out and out of domain."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nvg import evaluate
+from nvg.artifacts import read_windows
+from nvg.model import load_model
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_stages, tiny_cmf, tiny_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "eval.json"
+    settings = {"batch": 4, "ood": str(tiny_corpus / "chat.jsonl"), "ood_tokens": 256, "precision": "fp32"}
+    evaluate.cli(["--teacher", str(tiny_cmf), "--encoded", str(tiny_stages / "student.cmf"),
+                  "--final", str(tiny_stages / "student.cmf"), "--windows", str(tiny_stages / "windows.h5"),
+                  "--topk", str(tiny_stages / "topk.0.h5"), "--out", str(out), "--settings", json.dumps(settings)])
+    return json.loads(out.read_text())
+
+
+def test_the_teacher_against_itself_and_the_student_against_the_teacher(evaluated):
+    for split in ("heldout", "ood"):
+        t, e, f = (evaluated[split][m] for m in ("teacher", "encoded", "final"))
+        assert abs(t["kl_full"]) < 1e-5 and t["top1_agreement"] == 1.0
+        assert e == f  # the same file under two names scores the same
+        assert e["kl_full"] > 0 and e["perplexity"] != t["perplexity"]
+    assert evaluated["heldout"]["teacher"]["kl_topk"] < evaluated["heldout"]["encoded"]["kl_topk"]
+    assert evaluated["ood"]["tokens"] == 256 and evaluated["heldout"]["tokens"] == 8 * 32
+    assert 0 < evaluated["files"]["encoded"]["body_bpw"] <= 2.0 < evaluated["files"]["teacher"]["body_bpw"]
+
+
+def test_heldout_perplexity_is_the_teachers_own_next_token_loss(evaluated, tiny_stages, tiny_cmf):
+    """Computed here with a plain log-softmax over the teacher's logits on the held-out windows."""
+    tokens, attrs = read_windows(tiny_stages / "windows.h5")
+    ids = torch.from_numpy(tokens[int(attrs["n_train"]):]).long()
+    with torch.no_grad():
+        logp = torch.log_softmax(load_model(tiny_cmf)(ids).double(), -1)
+    nll = -logp[:, :-1].gather(-1, ids[:, 1:, None]).mean()
+    assert evaluated["heldout"]["teacher"]["perplexity"] == pytest.approx(math.exp(float(nll)), rel=1e-4)
+    assert np.isfinite(evaluated["heldout"]["encoded"]["perplexity"])

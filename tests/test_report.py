@@ -1,0 +1,16 @@
+"""Stage report: one HTML page with the numbers and every plot, from a real workflow run."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_report_has_every_plot_and_the_numbers(finished_run):
+    workdir, _ = finished_run
+    page = (workdir / "results/report.html").read_text()
+    report = json.loads((workdir / "results/eval.json").read_text())
+    assert page.count('src="data:image/png;base64,') == 4
+    for title in ("Perplexity before and after training", "Training", "Bits per weight per layer", "Encoder error per layer"):
+        assert f"<h2>{title}</h2>" in page
+    assert f"{report['heldout']['final']['perplexity']:.3f}" in page
+    assert f"{report['files']['final']['body_bpw']:.4f}" in page
