@@ -11,6 +11,7 @@ configfile: "config.yaml"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/import_teacher.smk"
+include: "workflow/rules/generate_corpus.smk"
 include: "workflow/rules/tokenize_windows.smk"
 include: "workflow/rules/teacher_topk.smk"
 include: "workflow/rules/gram_capture.smk"

@@ -21,7 +21,7 @@ for method in nvg dual-svid; do
     --settings '{"epochs": 4, "batch": 16, "lr": 0.004, "eval_every": 16, "state_every": 50, "state_root": "'"$W"'/state"}'
   python -m nvg.evaluate --teacher "$W/teacher.cmf" --encoded "$W/$method-1.0.cmf" --final "$W/trained-$method.cmf" \
     --windows "$W/windows.h5" --topk "$W/topk.0.h5" --out "$OUT/eval-$method.json" \
-    --settings '{"batch": 16, "ood": "pkg:shksprdata/texts/hamlet_gut.txt", "ood_tokens": 16384}'
+    --settings '{"batch": 16, "ood": ["pkg:shksprdata/texts/hamlet_gut.txt"], "ood_tokens": 16384}'
 done
 python -m nvg.dtgma_cut --student "$W/nvg-1.0.cmf" --windows "$W/windows.h5" --topk "$W/topk.0.h5" --out "$W/masked.cmf" \
   --settings '{"keep": 0.75, "max_steps": 200, "eval_every": 25, "batch": 16}'

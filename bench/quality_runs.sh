@@ -25,7 +25,7 @@ evaluate() {  # name student
   step "evaluate $1"
   python -m nvg.evaluate --teacher "$W/teacher.cmf" --encoded "$W/encoded.cmf" --final "$W/$1.cmf" \
     --windows "$W/windows.h5" --topk "$W/topk.0.h5" --out "$OUT/eval-$1.json" \
-    --settings '{"batch": 16, "ood": "python-docs", "ood_tokens": 16384}' 2> "$OUT/eval-$1.log"
+    --settings '{"batch": 16, "ood": ["python-docs"], "ood_tokens": 16384}' 2> "$OUT/eval-$1.log"
   tail -1 "$OUT/eval-$1.log"
 }
 case $1 in

@@ -124,3 +124,32 @@ def read_grams(path, layer: int, name: str) -> tuple[np.ndarray, np.ndarray, int
             return g["fit"][...], g["sel"][...], int(g.attrs["count_fit"]), int(g.attrs["count_sel"])
     except (OSError, KeyError) as e:
         raise NvgError(f"{path}: Gram layer{layer}/{name} not readable ({e})") from None
+
+
+# ── corpus/generated.{shard}.h5 ─────────────────────────────────────────────────────────────────────
+
+
+def write_corpus(out, tokens: np.ndarray, attrs: dict) -> None:
+    """`tokens` int32 [n, length]: sequences the teacher wrote; attributes teacher_hash, shard, settings."""
+    with atomic_path(out) as tmp:
+        with h5py.File(tmp, "w") as f:
+            f.create_dataset("tokens", data=tokens, chunks=(1, tokens.shape[1]))
+            f.attrs.update(attrs)
+
+
+def read_corpus(paths: list[Path], teacher: str) -> np.ndarray:
+    """Every shard's sequences, in shard order: int32 [N, length]; each shard must come from the
+    teacher whose `teacher_hash` is given."""
+    parts = []
+    for p in paths:
+        try:
+            with h5py.File(p, "r") as f:
+                parts.append(f["tokens"][...])
+                made_by = f.attrs["teacher_hash"]
+        except (OSError, KeyError) as e:
+            raise NvgError(f"{p}: not a readable generated corpus shard ({e})") from None
+        if made_by != teacher:
+            raise NvgError(f"{p}: teacher_hash {made_by} is not this teacher's {teacher} (a corpus from another teacher)")
+    if len({part.shape[1] for part in parts}) > 1:
+        raise NvgError(f"{paths[0]}: the generated shards have different sequence lengths")
+    return np.concatenate(parts)

@@ -1,7 +1,8 @@
 """Stage `evaluate`: teacher, encoded student and final student, side by side → `eval.json`.
 
-On the held-out windows (and, when `ood` names a source, on out-of-domain text): perplexity, KL to
-the teacher over the full vocabulary and over its cached top-k, top-1 agreement with the teacher;
+On the held-out windows and on every out-of-domain source in `ood`: perplexity and its ratio to the
+teacher's, KL to the teacher over the full vocabulary (and over its cached top-k, held out), top-1
+agreement with the teacher;
 bits per weight of the body linears and of the whole file counted from the stored bytes; file sizes;
 wall time per stage from the rules' benchmark files.
 
@@ -25,9 +26,9 @@ import torch
 from nvg.artifacts import read_topk, read_windows
 from nvg.atomic import write_json
 from nvg.cmf import read_cmf
-from nvg.errors import exits_cleanly
+from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import bits_summary
-from nvg.losses import full_kl_and_agreement, next_token_nll, topk_kl
+from nvg.losses import next_token_nll, student_scores, topk_kl
 from nvg.model import autocast, compile_blocks, load_model, pick_device
 from nvg.settings import load
 from nvg.sources import ChatRenderer, source_tokens
@@ -39,7 +40,7 @@ class EvalSettings:
 
     SECTION: ClassVar[str] = "evaluate"
     batch: int
-    ood: str | None
+    ood: list
     ood_tokens: int
     device: str
     precision: str
@@ -56,11 +57,16 @@ def score(models: dict, windows: np.ndarray, t_ids, t_logp, settings: EvalSettin
         with autocast(device, settings.precision):
             t_hidden = teacher.hidden(ids)
             for name, m in models.items():
-                h = t_hidden if name == "teacher" else m.hidden(ids)
-                acc[name]["nll"] += float(next_token_nll(h[:, :-1], m.head_weight, ids[:, 1:]))
-                kl, agree = full_kl_and_agreement(t_hidden, h, teacher.head_weight, m.head_weight)
-                acc[name]["kl_full"] += float(kl)
-                acc[name]["agree"] += agree
+                if name == "teacher":  # against itself: KL 0 and full agreement by definition
+                    h = t_hidden
+                    acc[name]["nll"] += float(next_token_nll(h[:, :-1], m.head_weight, ids[:, 1:]))
+                    acc[name]["agree"] += ids.numel()
+                else:
+                    h = m.hidden(ids)
+                    nll, kl, agree = student_scores(t_hidden, h, teacher.head_weight, m.head_weight, ids)
+                    acc[name]["nll"] += float(nll)
+                    acc[name]["kl_full"] += float(kl)
+                    acc[name]["agree"] += agree
                 if t_ids is not None:
                     rows = slice(s, s + len(ids))
                     acc[name]["kl_topk"] += float(topk_kl(h, m.head_weight, torch.from_numpy(t_ids[rows]).to(device),
@@ -73,6 +79,8 @@ def score(models: dict, windows: np.ndarray, t_ids, t_logp, settings: EvalSettin
                      "top1_agreement": a["agree"] / n_tok}
         if t_ids is not None:
             out[name]["kl_topk"] = a["kl_topk"] / n_tok
+    for name in models:  # how far from the teacher, the number a user reads first
+        out[name]["ppl_ratio"] = out[name]["perplexity"] / out["teacher"]["perplexity"]
     out["tokens"] = n_tok
     return out
 
@@ -101,19 +109,28 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(cmfs["teacher"].vocab.decode("utf-8"))
-        window = tokens.shape[1]
         template = cmfs["teacher"].header.get("tokenizer_config", {}).get("chat_template")
-        ids = source_tokens(settings.ood, settings.ood_tokens, tok, ChatRenderer(template, settings.ood))
-        ood = ids[: len(ids) // window * window].reshape(-1, window)
-        report["ood"] = {"source": settings.ood, **score(models, ood, None, None, settings, device)}
+        window = tokens.shape[1]
+        report["ood"] = {}
+        for source in settings.ood:
+            ids = source_tokens(source, settings.ood_tokens, tok, ChatRenderer(template, source))
+            ood = ids[: len(ids) // window * window].reshape(-1, window)
+            if len(ood) == 0:
+                raise NvgError(f"{source}: fewer than one {window}-token window of out-of-domain text")
+            report["ood"][source] = score(models, ood, None, None, settings, device)
     report["files"] = {n: {"path": str(c.path), "bytes": c.path.stat().st_size, **bits_summary(c)} for n, c in cmfs.items()}
     report["training_tokens"] = cmfs["final"].header.get("provenance", {}).get("nvg_train", {}).get("tokens")
     report["stage_seconds"] = stage_seconds(benchmarks)
     write_json(out, report)
     h = report["heldout"]
     print(f"evaluate: held-out ppl teacher {h['teacher']['perplexity']:.2f}, encoded {h['encoded']['perplexity']:.2f}, "
-          f"final {h['final']['perplexity']:.2f}; KL(top-k) encoded {h['encoded']['kl_topk']:.4f} → final "
-          f"{h['final']['kl_topk']:.4f}; body bpw {report['files']['final']['body_bpw']:.4f} → {out}", file=sys.stderr)
+          f"final {h['final']['perplexity']:.2f} ({h['final']['ppl_ratio']:.2f}× the teacher); KL(top-k) encoded "
+          f"{h['encoded']['kl_topk']:.4f} → final {h['final']['kl_topk']:.4f}; body bpw {report['files']['final']['body_bpw']:.4f}",
+          file=sys.stderr)
+    for source, r in report.get("ood", {}).items():
+        print(f"evaluate: out of domain {source}: ppl teacher {r['teacher']['perplexity']:.2f}, final "
+              f"{r['final']['perplexity']:.2f} ({r['final']['ppl_ratio']:.2f}× the teacher)", file=sys.stderr)
+    print(f"evaluate: → {out}", file=sys.stderr)
 
 
 @exits_cleanly

@@ -116,15 +116,20 @@ def next_token_nll(hidden, head, targets, chunk: int = DEFAULT_CHUNK) -> torch.T
 
 
 @torch.no_grad()
-def full_kl_and_agreement(t_hidden, s_hidden, t_head, s_head, chunk: int = DEFAULT_CHUNK):
-    """(Σ full-vocabulary KL(teacher ‖ student), number of tokens whose argmax agrees)."""
+def student_scores(t_hidden, s_hidden, t_head, s_head, ids, chunk: int = DEFAULT_CHUNK):
+    """(Σ −log p(next token), Σ full-vocabulary KL(teacher ‖ student), tokens whose argmax agrees) of a
+    student against the teacher on `ids` [b, t], from one log-softmax of each model per chunk (the
+    last position of a window predicts nothing and counts in the KL only)."""
     th = t_hidden.reshape(-1, t_hidden.shape[-1])
     sh = s_hidden.reshape(-1, s_hidden.shape[-1])
+    targets = F.pad(ids[:, 1:].long(), (0, 1), value=-100).reshape(-1)
+    nll = torch.zeros((), dtype=torch.float64, device=t_hidden.device)
     kl = torch.zeros((), dtype=torch.float64, device=t_hidden.device)
     agree = 0
     for s in range(0, th.shape[0], chunk):
         lt = torch.log_softmax(_logits(th[s : s + chunk], t_head), -1)
         ls = torch.log_softmax(_logits(sh[s : s + chunk], s_head), -1)
+        nll += F.nll_loss(ls, targets[s : s + chunk], ignore_index=-100, reduction="sum").double()
         kl += (lt.exp() * (lt - ls)).sum().double()
         agree += int((lt.argmax(-1) == ls.argmax(-1)).sum())
-    return kl, agree
+    return nll, kl, agree

@@ -136,6 +136,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+class KVCache(nn.Module):
+    """Static K/V buffers of one attention layer, [batch, kv_heads, max_len, head_dim] (as gpt-fast's):
+    a decoding step writes its positions in place, so every step has the same shapes, which is what
+    lets a compiled step be captured once as a CUDA graph and replayed."""
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.k.index_copy_(2, pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, pos, v.to(self.v.dtype))
+        return self.k, self.v
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, linears: dict, norms: dict):
         super().__init__()
@@ -143,8 +160,11 @@ class Attention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (linears[r] for r in ("q", "k", "v", "o"))
         self.q_norm = norms.get("q_norm")
         self.k_norm = norms.get("k_norm")
+        self.kv_cache: KVCache | None = None  # set by Llama.setup_cache for decoding
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, pos: torch.Tensor | None = None, kv_len: int | None = None):
+        """`pos` (the positions of x's tokens) decodes against the first `kv_len` cached positions
+        (all when None); without it, causal attention over x alone."""
         b, t, _ = x.shape
         c = self.cfg
         q = self.q_proj(x).view(b, t, c.num_heads, c.head_dim)
@@ -154,8 +174,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # flash/memory-efficient SDPA with native GQA: no repeated K/V, no [t, t] score matrix in memory
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
+        gqa = c.num_kv_heads != c.num_heads
+        if pos is None:
+            # flash/memory-efficient SDPA with native GQA: no repeated K/V, no [t, t] score matrix in memory
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            k, v = self.kv_cache.update(pos, k, v)
+            k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+            mask = torch.arange(k.shape[2], device=pos.device)[None, :] <= pos[:, None]  # [t, kv_len]
+            y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
 
 
@@ -176,15 +203,16 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, linears, norms)
         self.mlp = MLP(linears)
 
-    def forward(self, x, cos, sin, recompute: bool = False):
+    def forward(self, x, cos, sin, recompute: bool = False, pos: torch.Tensor | None = None, kv_len: int | None = None):
         """`recompute`: keep only this block's input for backward and run it again there (activation
-        checkpointing): the saved activations of a layer shrink from ~20 vectors per token to one."""
+        checkpointing): the saved activations of a layer shrink from ~20 vectors per token to one.
+        `pos`, `kv_len`: decode against the KV cache (see `Attention.forward`)."""
         if recompute:
             return checkpoint(self.residual_stream, x, cos, sin, use_reentrant=False)
-        return self.residual_stream(x, cos, sin)
+        return self.residual_stream(x, cos, sin, pos, kv_len)
 
-    def residual_stream(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def residual_stream(self, x, cos, sin, pos=None, kv_len=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -220,6 +248,26 @@ class Llama(nn.Module):
         cos, sin = rotary_tables(self.cfg, ids.shape[1], ids.device)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, recompute_every > 0 and i % recompute_every == 0)
+        return self.model.norm(x)
+
+    def setup_cache(self, batch: int, max_len: int, dtype) -> None:
+        """KV caches for decoding `batch` sequences of up to `max_len` tokens, and rotary tables for them."""
+        c, device = self.cfg, self.head_weight.device
+        if max_len > c.max_position_embeddings:
+            raise NvgError(f"{max_len} tokens exceed the model's max_position_embeddings {c.max_position_embeddings}")
+        for layer in self.model.layers:
+            layer.self_attn.kv_cache = KVCache(batch, c.num_kv_heads, max_len, c.head_dim, dtype, device)
+        self.rope = rotary_tables(c, max_len, device)
+
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        """Final-normed hidden states [b, t, hidden] of tokens `ids` [b, t] at positions `pos` [t],
+        attending to what is cached before them within the first `kv_len` positions (`setup_cache` first)."""
+        x = self.model.embed_tokens(ids)
+        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = x.to(dt)
+        cos, sin = self.rope[0][pos], self.rope[1][pos]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, pos=pos, kv_len=kv_len)
         return self.model.norm(x)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -67,22 +67,38 @@ def per_layer_plot(tensors: dict, key: str, ylabel: str) -> str:
     return _png(fig)
 
 
+def scored_sets(report: dict) -> list[tuple[str, dict]]:
+    """(label, scores) of the held-out windows and of every out-of-domain source."""
+    return [("held-out", report["heldout"])] + [(f"OOD {name}", r) for name, r in report.get("ood", {}).items()]
+
+
 def perplexity_plot(report: dict) -> str:
     import matplotlib.pyplot as plt
 
-    sets = [k for k in ("heldout", "ood") if k in report]
+    sets = scored_sets(report)
     models = ["teacher", "encoded", "final"]
     fig, ax = plt.subplots(figsize=(7, 3.4))
     width = 0.8 / len(sets)
-    for j, split in enumerate(sets):
-        vals = [report[split][m]["perplexity"] for m in models]
-        bars = ax.bar([i + j * width for i in range(3)], vals, width, label=split)
+    for j, (label, scores) in enumerate(sets):
+        vals = [scores[m]["perplexity"] for m in models]
+        bars = ax.bar([i + j * width for i in range(3)], vals, width, label=label)
         ax.bar_label(bars, fmt="%.4g", fontsize=8)
     ax.set_xticks([i + width * (len(sets) - 1) / 2 for i in range(3)], ["teacher", "encoded (before training)", "final"])
     ax.set_yscale("log")
     ax.set_ylabel("perplexity")
-    ax.legend()
+    ax.legend(fontsize=8)
     return _png(fig)
+
+
+def ratio_table(report: dict) -> str:
+    """Perplexity against the teacher's on every scored set: the verdict in one table."""
+    rows = "".join(
+        f"<tr><td>{html.escape(label)}</td><td>{r['tokens']:,}</td><td>{r['teacher']['perplexity']:.3f}</td>"
+        f"<td>{r['encoded']['perplexity']:.4g} ({r['encoded']['perplexity'] / r['teacher']['perplexity']:.2f}×)</td>"
+        f"<td>{r['final']['perplexity']:.4g} ({r['final']['perplexity'] / r['teacher']['perplexity']:.2f}×)</td></tr>"
+        for label, r in scored_sets(report))
+    head = "<tr><th>text</th><th>tokens</th><th>teacher ppl</th><th>encoded ppl (× teacher)</th><th>final ppl (× teacher)</th></tr>"
+    return f"<table>{head}{rows}</table>"
 
 
 def summary_table(report: dict) -> str:
@@ -116,6 +132,7 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}td:first-child,th
 <p>Teacher vs the encoded student (before training) vs the final student, on {report['heldout']['tokens']:,} held-out tokens.
 Bits per weight are counted from the stored bytes, headers and scales included.</p>
 {summary_table(report)}
+<h2>Perplexity against the teacher</h2>{ratio_table(report)}
 <h2>Perplexity before and after training</h2><img alt="perplexity" src="{perplexity_plot(report)}">
 <h2>Training</h2><img alt="training curves" src="{training_plot(metrics)}">
 <h2>Bits per weight per layer</h2><img alt="bits per weight" src="{per_layer_plot(encode['tensors'], 'bpw', 'bits per weight')}">

@@ -2,7 +2,8 @@
 
 A source is a file or folder (.txt .md .rst; .jsonl with `text` or chat `messages`; .json arrays of
 [prompt, text] pairs), a glob, `pkg:<module>/<path>` inside an installed package (found without
-importing it), or `python-docs` (the Python language reference shipped with CPython). Chat messages
+importing it), or `python-docs` (the Python language reference shipped with CPython). The source
+`generated` is the teacher's own text (stage generate_corpus), read by tokenize_windows as token ids. Chat messages
 are rendered with the teacher's own template, so special tokens get their real ids."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from nvg.errors import NvgError
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".jsonl", ".json"}
 PYTHON_DOCS = "python-docs"
+GENERATED = "generated"  # the teacher's own text: token ids from stage generate_corpus, not a file
 
 
 def resolve_path(spec: str) -> Path:

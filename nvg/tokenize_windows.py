@@ -19,12 +19,12 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import write_windows
+from nvg.artifacts import read_corpus, teacher_hash, write_windows
 from nvg.cmf import read_cmf
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
 from nvg.settings import load
-from nvg.sources import ChatRenderer, source_tokens, split_budget
+from nvg.sources import GENERATED, ChatRenderer, source_tokens, split_budget
 
 
 @dataclass
@@ -39,7 +39,23 @@ class WindowSettings:
     seed: int
 
 
-def main(teacher: Path, out: Path, settings: WindowSettings) -> None:
+def source_windows(spec: str, budget: int, window: int, tokenizer, render_chat, generated: np.ndarray | None) -> np.ndarray:
+    """Up to `budget` tokens of one source as [n, window] windows. Generated sequences are cut one by
+    one (a window never spans two sequences)."""
+    if spec != GENERATED:
+        ids = source_tokens(spec, budget, tokenizer, render_chat)
+        n = len(ids) // window
+        return ids[: n * window].reshape(n, window)
+    if generated is None:
+        raise NvgError(f"config data.sources: {GENERATED!r} needs the generate_corpus shards (--generated)")
+    if generated.shape[1] < window:
+        raise NvgError(f"config generate_corpus.length: {generated.shape[1]} is shorter than data.window {window}")
+    per = generated.shape[1] // window
+    cut = generated[:, : per * window].reshape(-1, window)
+    return cut[: budget // window]
+
+
+def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Path] = ()) -> None:
     from tokenizers import Tokenizer
 
     cmf = read_cmf(teacher)
@@ -52,13 +68,13 @@ def main(teacher: Path, out: Path, settings: WindowSettings) -> None:
     template = cmf.header.get("tokenizer_config", {}).get("chat_template")
     want = settings.tokens + settings.eval_windows * settings.window
     budgets = split_budget([float(s.get("weight", 1.0)) for s in settings.sources], want)
+    corpus = read_corpus(list(generated), teacher_hash(cmf)) if generated else None
     windows = []
     for src, budget in zip(settings.sources, budgets):
-        ids = source_tokens(src["path"], budget, tokenizer, ChatRenderer(template, src["path"]))
-        n = len(ids) // settings.window
-        if n == 0:
-            raise NvgError(f"{src['path']}: only {len(ids)} tokens, not one {settings.window}-token window")
-        windows.append(ids[: n * settings.window].reshape(n, settings.window))
+        w = source_windows(src["path"], budget, settings.window, tokenizer, ChatRenderer(template, src["path"]), corpus)
+        if len(w) == 0:
+            raise NvgError(f"{src['path']}: not one {settings.window}-token window in its {budget}-token share")
+        windows.append(w)
     tokens = np.concatenate(windows)
     need = settings.eval_windows + 1
     if len(tokens) < need:
@@ -80,8 +96,9 @@ def cli(argv=None):
     ap.add_argument("--teacher", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--settings", required=True, help="JSON object of WindowSettings")
+    ap.add_argument("--generated", type=Path, nargs="*", default=[], help="generate_corpus shards (source 'generated')")
     a = ap.parse_args(argv)
-    main(a.teacher, a.out, load(WindowSettings, a.settings))
+    main(a.teacher, a.out, load(WindowSettings, a.settings), a.generated)
 
 
 if __name__ == "__main__":

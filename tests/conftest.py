@@ -173,14 +173,16 @@ def tiny_config(teacher: Path, corpus: Path) -> dict:
     return {
         "teacher": str(teacher),
         "data": {"sources": [{"path": str(corpus / "story.txt"), "weight": 2.0},
-                             {"path": str(corpus / "chat.jsonl"), "weight": 1.0}],
+                             {"path": str(corpus / "chat.jsonl"), "weight": 1.0},
+                             {"path": "generated", "weight": 1.0}],
                  "tokens": 3072, "window": 32, "eval_windows": 8, "seed": 7},
+        "generate_corpus": {"sequences": 16, "length": 64, "shards": 2, "batch": 8},
         "teacher_topk": {"k": 8, "shards": 2, "batch": 8},
         "grams": {"fit_windows": 16, "sel_windows": 8, "batch": 8},
         "encode": {"bpw": 2.0, "iters": 2},
         "dtgma": {"keep": 0.5, "align": 8, "max_steps": 20, "eval_every": 5, "batch": 8},
         "train": {"epochs": 2, "batch": 8, "lr": 0.005, "eval_every": 4, "state_every": 4},
-        "evaluate": {"batch": 8, "ood": str(corpus / "story.txt"), "ood_tokens": 256},
+        "evaluate": {"batch": 8, "ood": [str(corpus / "story.txt")], "ood_tokens": 256},
     }
 
 

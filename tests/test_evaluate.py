@@ -17,7 +17,8 @@ from nvg.model import load_model
 @pytest.fixture(scope="module")
 def evaluated(tiny_stages, tiny_cmf, tiny_corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "eval.json"
-    settings = {"batch": 4, "ood": str(tiny_corpus / "chat.jsonl"), "ood_tokens": 256, "precision": "fp32"}
+    settings = {"batch": 4, "ood": [str(tiny_corpus / "chat.jsonl"), str(tiny_corpus / "story.txt")], "ood_tokens": 256,
+                "precision": "fp32"}
     evaluate.cli(["--teacher", str(tiny_cmf), "--encoded", str(tiny_stages / "student.cmf"),
                   "--final", str(tiny_stages / "student.cmf"), "--windows", str(tiny_stages / "windows.h5"),
                   "--topk", str(tiny_stages / "topk.0.h5"), "--out", str(out), "--settings", json.dumps(settings)])
@@ -25,13 +26,17 @@ def evaluated(tiny_stages, tiny_cmf, tiny_corpus, tmp_path_factory):
 
 
 def test_the_teacher_against_itself_and_the_student_against_the_teacher(evaluated):
-    for split in ("heldout", "ood"):
-        t, e, f = (evaluated[split][m] for m in ("teacher", "encoded", "final"))
+    sets = [evaluated["heldout"], *evaluated["ood"].values()]
+    assert len(sets) == 3
+    for scores in sets:
+        t, e, f = (scores[m] for m in ("teacher", "encoded", "final"))
         assert abs(t["kl_full"]) < 1e-5 and t["top1_agreement"] == 1.0
         assert e == f  # the same file under two names scores the same
         assert e["kl_full"] > 0 and e["perplexity"] != t["perplexity"]
+        assert e["ppl_ratio"] == pytest.approx(e["perplexity"] / t["perplexity"]) and t["ppl_ratio"] == 1.0
+        assert scores["tokens"] == 256 or scores is evaluated["heldout"]
     assert evaluated["heldout"]["teacher"]["kl_topk"] < evaluated["heldout"]["encoded"]["kl_topk"]
-    assert evaluated["ood"]["tokens"] == 256 and evaluated["heldout"]["tokens"] == 8 * 32
+    assert evaluated["heldout"]["tokens"] == 8 * 32
     assert 0 < evaluated["files"]["encoded"]["body_bpw"] <= 2.0 < evaluated["files"]["teacher"]["body_bpw"]
 
 

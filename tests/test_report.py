@@ -14,3 +14,7 @@ def test_report_has_every_plot_and_the_numbers(finished_run):
         assert f"<h2>{title}</h2>" in page
     assert f"{report['heldout']['final']['perplexity']:.3f}" in page
     assert f"{report['files']['final']['body_bpw']:.4f}" in page
+    assert "<h2>Perplexity against the teacher</h2>" in page
+    for source, scores in report["ood"].items():  # every out-of-domain set with its ratio to the teacher
+        ratio = scores["final"]["perplexity"] / scores["teacher"]["perplexity"]
+        assert f"OOD {source}" in page and f"({ratio:.2f}×)" in page

@@ -9,7 +9,7 @@ from snakemake.utils import validate
 
 from nvg.config import SCHEMA_PATH, config_error
 from nvg.errors import NvgError
-from nvg.sources import resolve_path
+from nvg.sources import GENERATED, resolve_path
 
 # One line naming the file, the key and the problem, before any job; then Snakemake fills in defaults.
 if problem := config_error(config, SCHEMA_PATH, workflow.configfiles):
@@ -55,6 +55,13 @@ def train_launcher():
     """One process, or one per GPU under torchrun when `train.gpus` > 1 (data parallel, see nvg/distributed.py)."""
     gpus = config["train"]["gpus"]
     return "python" if gpus == 1 else f"torchrun --standalone --nproc_per_node {gpus}"
+
+
+def generated_corpus():
+    """The generate_corpus shards, when a data source is `generated` (the teacher's own text)."""
+    if not any(src["path"] == GENERATED for src in config["data"]["sources"]):
+        return []
+    return expand("results/corpus/generated.{shard}.h5", shard=range(config["generate_corpus"]["shards"]))
 
 
 def topk_shards():

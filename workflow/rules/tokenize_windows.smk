@@ -1,6 +1,8 @@
+# Calibration windows from every data source; the source `generated` brings in the generate_corpus shards.
 rule tokenize_windows:
     input:
         teacher="results/teacher.cmf",
+        generated=generated_corpus(),
         code=nvg_sources("tokenize_windows"),
     output:
         windows="results/data/windows.h5",
@@ -17,4 +19,4 @@ rule tokenize_windows:
         runtime=30,
     shell:
         "python -m nvg.tokenize_windows --teacher {input.teacher} --out {output.windows} "
-        "--settings {params.settings:q} > {log} 2>&1"
+        "--generated {input.generated} --settings {params.settings:q} > {log} 2>&1"

@@ -1,0 +1,85 @@
+"""Batched decoding with a static KV cache: what `generate_corpus` samples the teacher with.
+
+Every step feeds one token per sequence at one shared position, so all shapes stay fixed. On CUDA the
+step (the model, the LM head and the draw) is compiled with inductor in "reduce-overhead" mode:
+captured as a CUDA graph and replayed, so a step costs one launch instead of ~30 layers × a dozen
+kernels, which is what bounds small-model decoding. Two more things keep the step short:
+  * attention reads the cache only up to the next multiple of `KV_BUCKET` past the position (one graph
+    per bucket), not the whole `max_len`: at 1024 tokens that halves the cache traffic on average;
+  * the draw is Gumbel-max inside the graph (argmax of logits/T + Gumbel noise samples the softmax
+    exactly), so no [batch, vocab] tensor leaves the graph. top-k / top-p need the sorted logits and
+    are drawn outside it.
+On the CPU the same code runs eager. Draws use the global RNG: seed it with `torch.manual_seed`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nvg.model import autocast
+
+KV_BUCKET = 256
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A draw from softmax(logits / temperature) for every row ([b, vocab] → [b]); argmax at temperature 0."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    u = torch.rand_like(logits, dtype=torch.float32).clamp_(min=1e-20)
+    return (logits.float() / temperature - torch.log(-torch.log(u))).argmax(-1)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Next ids [b] from logits [b, vocab]: a draw from softmax(logits / temperature) restricted to the
+    top_k ids (0 = all) and to the smallest set whose probability reaches top_p (1.0 = all)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        p = sorted_logits.softmax(-1)
+        drop = p.cumsum(-1) - p >= top_p  # keep ids until the mass before them reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return gumbel_argmax(logits, 1.0)
+
+
+class Decoder:
+    """Decodes `batch` sequences of up to `max_len` tokens together with `model` (dense or BLR)."""
+
+    def __init__(self, model, batch: int, max_len: int, device: torch.device, precision: str,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+        self.model, self.device, self.precision = model, device, precision
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.max_len = max_len
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32) \
+            if device.type == "cuda" else torch.float32
+        model.setup_cache(batch, max_len, dtype)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)  # updated in place: a static graph input
+        self.greedy = torch.zeros((), dtype=torch.bool, device=device)
+        self.plain = top_k == 0 and top_p >= 1.0  # the whole draw fits in the graph
+        self.step = self._step
+        if device.type == "cuda":
+            self.step = torch.compile(self._step, mode="reduce-overhead", fullgraph=True)
+
+    def _step(self, ids: torch.Tensor, pos: torch.Tensor, greedy: torch.Tensor, kv_len: int) -> torch.Tensor:
+        with autocast(self.device, self.precision):
+            h = self.model.decode(ids[:, None], pos, kv_len)[:, -1]
+            logits = F.linear(h, self.model.head_weight.to(h.dtype)).float()
+        if not self.plain:
+            return logits
+        return torch.where(greedy, logits.argmax(-1), gumbel_argmax(logits, self.temperature))
+
+    @torch.no_grad()
+    def next_ids(self, ids: torch.Tensor, pos: int, greedy: bool) -> torch.Tensor:
+        """The ids [b] that follow `ids` [b] fed at position `pos`: argmax when `greedy`, else drawn.
+        A fresh tensor (a CUDA graph's output buffer is reused by its next replay)."""
+        self.pos.fill_(pos)
+        self.greedy.fill_(greedy)
+        kv_len = min(self.max_len, (pos // KV_BUCKET + 1) * KV_BUCKET)
+        out = self.step(ids, self.pos, self.greedy, kv_len)
+        if self.plain:
+            return out.clone()
+        return out.argmax(-1) if greedy else sample(out, self.temperature, self.top_k, self.top_p)

@@ -1,0 +1,123 @@
+"""Stage `generate_corpus`: the teacher writes its own calibration text, LLM-QAT style.
+
+Each sequence starts from one first token, takes `greedy_prefix` argmax tokens, then samples at
+`temperature` (with optional `top_k` / `top_p`) up to `length` tokens. First tokens: `vocab` walks a
+seeded permutation of the whole vocabulary (special tokens left out), so every id starts a sequence
+before any repeats (LLM-QAT); `random` draws them uniformly. Sequences are split into `shards`
+independent jobs (as the teacher pass is), each seeded by (seed, shard). The output is token ids,
+never text: no decode and re-tokenize round trip. `tokenize_windows` cuts them into windows when
+`data.sources` names `generated`. Decoding is batched with a static KV cache (`nvg/decoding.py`),
+compiled and replayed as a CUDA graph on the GPU, eager on the CPU.
+
+    python -m nvg.generate_corpus --teacher T.cmf --shard 0 --out corpus/generated.0.h5 --settings JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from nvg.artifacts import shard_rows, teacher_hash, write_corpus
+from nvg.cmf import read_cmf
+from nvg.decoding import Decoder
+from nvg.errors import NvgError, exits_cleanly
+from nvg.hash64 import hash64, hex16
+from nvg.model import load_model, pick_device
+from nvg.settings import load
+
+
+@dataclass
+class CorpusSettings:
+    """Config block `generate_corpus` (defaults and bounds: the schema; build with `nvg.settings.load`)."""
+
+    SECTION: ClassVar[str] = "generate_corpus"
+    sequences: int
+    length: int
+    shards: int
+    first_token: str
+    greedy_prefix: int
+    temperature: float
+    top_k: int
+    top_p: float
+    batch: int
+    seed: int
+    device: str
+    precision: str
+
+
+def first_tokens(tokenizer_json: bytes, vocab_size: int, settings: CorpusSettings) -> np.ndarray:
+    """The first token of every sequence (int64 [sequences]); special tokens never start one."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+    special = set(tok.get_added_tokens_decoder())
+    ids = np.array([i for i in range(min(vocab_size, tok.get_vocab_size())) if i not in special], dtype=np.int64)
+    gen = torch.Generator().manual_seed(settings.seed)
+    if settings.first_token == "random":
+        return ids[torch.randint(len(ids), (settings.sequences,), generator=gen).numpy()]
+    laps = -(-settings.sequences // len(ids))  # whole permutations, as many as the sequences need
+    order = np.concatenate([torch.randperm(len(ids), generator=gen).numpy() for _ in range(laps)])
+    return ids[order[: settings.sequences]]
+
+
+def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None:
+    s = settings
+    cmf = read_cmf(teacher)
+    if not cmf.vocab:
+        raise NvgError(f"{teacher}: vocab section is empty (no tokenizer to pick first tokens with)")
+    if s.length > cmf.arch["max_position_embeddings"]:
+        raise NvgError(f"config generate_corpus.length: {s.length} exceeds the teacher's max_position_embeddings "
+                       f"{cmf.arch['max_position_embeddings']}")
+    rows = shard_rows(s.sequences, shard, s.shards)
+    if len(rows) == 0:
+        raise NvgError(f"config generate_corpus.shards: {s.shards} shards for {s.sequences} sequences leaves shard {shard} empty")
+    firsts = first_tokens(cmf.vocab, cmf.arch["vocab_size"], s)[rows]
+    device = pick_device(s.device)
+    model = load_model(cmf, device)
+    batch = min(s.batch, len(rows))
+    decoder = Decoder(model, batch, s.length, device, s.precision, s.temperature, s.top_k, s.top_p)
+    torch.manual_seed(s.seed * 100_003 + shard)  # the draws use the global RNG (inside a CUDA graph on the GPU)
+    tokens = np.zeros((len(rows), s.length), dtype=np.int32)
+    t0 = time.perf_counter()
+    for start in range(0, len(rows), batch):
+        n = min(batch, len(rows) - start)
+        first = torch.from_numpy(firsts[start : start + n]).to(device)
+        tok = torch.cat([first, first[-1:].expand(batch - n)])  # pad to the static batch; padding is dropped
+        seq = [tok]
+        for t in range(s.length - 1):
+            tok = decoder.next_ids(tok, t, greedy=t < s.greedy_prefix)
+            seq.append(tok)
+        tokens[start : start + n] = torch.stack(seq, 1)[:n].cpu().numpy()
+        done = (start + n) * s.length
+        print(f"generate_corpus shard {shard}: {start + n}/{len(rows)} sequences, "
+              f"{done / (time.perf_counter() - t0):.0f} tok/s", file=sys.stderr)
+    write_corpus(out, tokens, {"teacher_hash": teacher_hash(cmf), "shard": shard, "settings": json.dumps(asdict(s)),
+                               "tokens_hash": hex16(hash64(tokens.tobytes()))})
+    print(f"generate_corpus: shard {shard}/{s.shards}: {len(rows)} sequences × {s.length} tokens, "
+          f"{tokens.size / (time.perf_counter() - t0):.0f} tok/s on {device} → {out}", file=sys.stderr)
+
+
+@exits_cleanly
+def cli(argv=None):
+    ap = argparse.ArgumentParser(prog="nvg generate-corpus", description=__doc__.splitlines()[0])
+    ap.add_argument("--teacher", required=True, type=Path)
+    ap.add_argument("--shard", required=True, type=int)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--settings", required=True)
+    a = ap.parse_args(argv)
+    s = load(CorpusSettings, a.settings)
+    if not 0 <= a.shard < s.shards:
+        raise NvgError(f"--shard {a.shard}: must be in [0, {s.shards})")
+    main(a.teacher, a.shard, a.out, s)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,105 @@
+"""Stage generate_corpus: the teacher's own text, LLM-QAT style, decoded with a static KV cache."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from nvg import generate_corpus, tokenize_windows
+from nvg.artifacts import read_windows
+from nvg.cmf import read_cmf
+from nvg.decoding import Decoder, gumbel_argmax, sample
+from nvg.generate_corpus import CorpusSettings
+from nvg.model import load_model
+from nvg.settings import load
+from tests.conftest import fails_cleanly
+
+
+def test_cached_decoding_equals_the_full_forward(tiny_cmf, monkeypatch):
+    """Greedy decoding through the KV cache picks, at every step, the argmax of a full forward over the
+    prefix, also when attention reads the cache in buckets (of 8 here)."""
+    from nvg import decoding
+
+    monkeypatch.setattr(decoding, "KV_BUCKET", 8)
+    model = load_model(tiny_cmf)
+    decoder = Decoder(model, 3, 24, torch.device("cpu"), "fp32")
+    tok, seq = torch.tensor([5, 17, 40]), [torch.tensor([5, 17, 40])]
+    for t in range(23):
+        tok = decoder.next_ids(tok, t, greedy=True)
+        seq.append(tok)
+    seq = torch.stack(seq, 1)
+    with torch.no_grad():
+        full = load_model(tiny_cmf)(seq[:, :-1])
+    assert torch.equal(full.argmax(-1), seq[:, 1:])
+
+
+def test_sampling_restrictions():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 300)
+    best = logits.argmax(-1)
+    assert torch.equal(sample(logits, 0.0, 0, 1.0), best)
+    assert torch.equal(sample(logits, 1.0, 1, 1.0), best)  # top-k 1
+    assert torch.equal(sample(logits, 1.0, 0, 1e-6), best)  # top-p below the best id's mass
+    in_top5 = sample(logits, 1.0, 5, 1.0)
+    assert (logits.gather(-1, in_top5[:, None]) >= logits.topk(5, -1).values[:, -1:]).all()
+    for temperature in (1.0, 0.5):  # Gumbel-max follows softmax(logits / T)
+        draws = torch.stack([gumbel_argmax(logits[:1], temperature) for _ in range(4000)])
+        freq = torch.bincount(draws[:, 0], minlength=300).float() / 4000
+        assert (freq - (logits[0] / temperature).softmax(-1)).abs().max() < 0.04
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_cmf, tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    s = load(CorpusSettings, sequences=12, length=40, shards=2, batch=4, greedy_prefix=3)
+    for shard in range(2):
+        generate_corpus.main(tiny_cmf, shard, d / f"generated.{shard}.h5", s)
+    return d, s
+
+
+def test_shards_hold_llm_qat_sequences(corpus, tiny_cmf):
+    d, s = corpus
+    parts = [h5py.File(d / f"generated.{i}.h5", "r")["tokens"][...] for i in range(2)]
+    tokens = np.concatenate(parts)
+    assert [len(p) for p in parts] == [6, 6] and tokens.shape == (12, 40)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(read_cmf(tiny_cmf).vocab.decode())
+    special = set(tok.get_added_tokens_decoder())
+    firsts = tokens[:, 0]
+    assert len(set(firsts.tolist())) == 12 and not special & set(firsts.tolist())  # a walk over the vocabulary
+    assert np.array_equal(firsts, generate_corpus.first_tokens(read_cmf(tiny_cmf).vocab, 300, s))
+    model = load_model(tiny_cmf)
+    with torch.no_grad():  # the greedy prefix: argmax continuations of the first token
+        logits = model(torch.from_numpy(tokens[:, :4]).long())
+    assert np.array_equal(logits[:, :3].argmax(-1).numpy(), tokens[:, 1:4])
+    with h5py.File(d / "generated.1.h5", "r") as f:
+        assert json.loads(f.attrs["settings"])["length"] == 40 and int(f.attrs["shard"]) == 1
+    again = d / "again.h5"
+    generate_corpus.main(tiny_cmf, 1, again, s)  # seeded: the same shard twice is the same text
+    assert np.array_equal(h5py.File(again, "r")["tokens"][...], parts[1])
+
+
+def test_tokenize_windows_cuts_generated_sequences_into_windows(corpus, tiny_cmf, tiny_corpus, tmp_path, capsys):
+    d, _ = corpus
+    shards = [d / "generated.0.h5", d / "generated.1.h5"]
+    generated = np.concatenate([h5py.File(p, "r")["tokens"][...] for p in shards])
+    out = tmp_path / "w.h5"
+    settings = load(tokenize_windows.WindowSettings, sources=[{"path": "generated"}], tokens=320, window=16, eval_windows=2)
+    tokenize_windows.main(tiny_cmf, out, settings, shards)
+    windows, attrs = read_windows(out)
+    assert windows.shape == (22, 16)
+    expected = {tuple(w) for w in generated[:, :32].reshape(-1, 16)[:22]}  # two windows per 40-token sequence
+    assert {tuple(w) for w in windows} == expected
+    # a corpus written by another teacher is refused, naming the shard
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as f:
+        f["tokens"] = generated
+        f.attrs["teacher_hash"] = "0000000000000000"
+    fails_cleanly(tokenize_windows.cli, ["--teacher", tiny_cmf, "--out", tmp_path / "x.h5", "--generated", other,
+                                         "--settings", json.dumps({"sources": [{"path": "generated"}], "window": 16})],
+                  capsys, str(other), "is not this teacher's", [tmp_path / "x.h5"])

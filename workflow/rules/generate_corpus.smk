@@ -1,0 +1,23 @@
+# One job per shard, like the teacher pass: the teacher writes its own calibration text as token ids.
+rule generate_corpus:
+    input:
+        teacher="results/teacher.cmf",
+        code=nvg_sources("generate_corpus"),
+    output:
+        corpus="results/corpus/generated.{shard}.h5",
+    conda:
+        "../envs/nvg.yaml"
+    log:
+        "logs/generate_corpus.{shard}.log",
+    benchmark:
+        "benchmarks/generate_corpus.{shard}.tsv"
+    params:
+        settings=settings("generate_corpus"),
+    threads: 2
+    resources:
+        gpu=1,
+        mem_mb=16000,
+        runtime=lambda wildcards, attempt: 60 * attempt,
+    shell:
+        "python -m nvg.generate_corpus --teacher {input.teacher} --shard {wildcards.shard} --out {output.corpus} "
+        "--settings {params.settings:q} > {log} 2>&1"
