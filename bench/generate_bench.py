@@ -3,8 +3,9 @@ same batch and length, in one process on one GPU (the device run for docs/benchm
 
     python bench/generate_bench.py --teacher results/teacher.cmf --batch 512 --length 256 --out gen.json
 
-nvg: the stage's own code path (`generate_corpus.main`: static KV cache, the step compiled and replayed
-as a CUDA graph), timed on a second call so the compile is reported apart. transformers: bf16, sdpa,
+nvg: the stage's own decoding loop (`generate_corpus.sample_sequences`: static KV cache, the step compiled
+and replayed as a CUDA graph), timed on a second call so the compile is reported apart; both sides
+exclude loading the model. transformers: bf16, sdpa,
 `generate(do_sample=True, temperature=1, top_k=0)` from the same first tokens, exactly `length` tokens.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from gpu_bench import hf_model  # noqa: E402  (the same transformers twin the st
 
 from nvg import generate_corpus  # noqa: E402
 from nvg.cmf import read_cmf  # noqa: E402
+from nvg.decoding import Decoder  # noqa: E402
 from nvg.model import load_model  # noqa: E402
 from nvg.settings import load  # noqa: E402
 
@@ -39,21 +40,24 @@ def main():
     s = load(generate_corpus.CorpusSettings, sequences=a.batch, length=a.length, batch=a.batch, device="cuda")
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers_version": transformers.__version__,
            "batch": a.batch, "length": a.length, "date": time.strftime("%Y-%m-%d")}
-    with tempfile.TemporaryDirectory() as tmp:
-        times = []
-        for _ in range(2):  # the first call includes the compile and the graph capture
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            generate_corpus.main(Path(a.teacher), 0, Path(tmp) / "g.h5", s)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+    cmf = read_cmf(a.teacher)
+    firsts = generate_corpus.first_tokens(cmf.vocab, cmf.arch["vocab_size"], s)
+    decoder = Decoder(load_model(cmf, "cuda"), a.batch, a.length, torch.device("cuda"), s.precision)
+    times = []
+    for _ in range(2):  # the first call includes the compile and the graph captures
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        generate_corpus.sample_sequences(decoder, firsts, s, "nvg")
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del decoder
     tokens = a.batch * a.length
     out["nvg"] = {"first_call_s": times[0], "s": times[1], "tok_s": tokens / times[1]}
     teacher = load_model(a.teacher, "cuda")
     state = {n: p.detach().to(torch.bfloat16) for n, p in teacher.state_dict().items()}
     hf = hf_model(teacher.cfg, state)
     del teacher
-    firsts = torch.from_numpy(generate_corpus.first_tokens(read_cmf(a.teacher).vocab, hf.config.vocab_size, s)).cuda()
+    firsts = torch.from_numpy(firsts).cuda()
     hf_times = []
     for _ in range(2):
         torch.cuda.synchronize()

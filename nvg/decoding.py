@@ -53,7 +53,7 @@ class Decoder:
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
         self.model, self.device, self.precision = model, device, precision
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.max_len = max_len
+        self.batch, self.max_len = batch, max_len
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32) \
             if device.type == "cuda" else torch.float32
         model.setup_cache(batch, max_len, dtype)

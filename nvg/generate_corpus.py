@@ -68,6 +68,26 @@ def first_tokens(tokenizer_json: bytes, vocab_size: int, settings: CorpusSetting
     return ids[order[: settings.sequences]]
 
 
+def sample_sequences(decoder: Decoder, firsts: np.ndarray, s: CorpusSettings, label: str) -> np.ndarray:
+    """Sequences int32 [len(firsts), length], `decoder.batch` at a time: the first token, `greedy_prefix`
+    argmax tokens, then draws."""
+    batch, device = decoder.batch, decoder.device
+    tokens = np.zeros((len(firsts), s.length), dtype=np.int32)
+    t0 = time.perf_counter()
+    for start in range(0, len(firsts), batch):
+        n = min(batch, len(firsts) - start)
+        first = torch.from_numpy(firsts[start : start + n]).to(device)
+        tok = torch.cat([first, first[-1:].expand(batch - n)])  # pad to the static batch; padding is dropped
+        seq = [tok]
+        for t in range(s.length - 1):
+            tok = decoder.next_ids(tok, t, greedy=t < s.greedy_prefix)
+            seq.append(tok)
+        tokens[start : start + n] = torch.stack(seq, 1)[:n].cpu().numpy()
+        print(f"{label}: {start + n}/{len(firsts)} sequences, "
+              f"{(start + n) * s.length / (time.perf_counter() - t0):.0f} tok/s", file=sys.stderr)
+    return tokens
+
+
 def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None:
     s = settings
     cmf = read_cmf(teacher)
@@ -81,24 +101,11 @@ def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None
         raise NvgError(f"config generate_corpus.shards: {s.shards} shards for {s.sequences} sequences leaves shard {shard} empty")
     firsts = first_tokens(cmf.vocab, cmf.arch["vocab_size"], s)[rows]
     device = pick_device(s.device)
-    model = load_model(cmf, device)
-    batch = min(s.batch, len(rows))
-    decoder = Decoder(model, batch, s.length, device, s.precision, s.temperature, s.top_k, s.top_p)
+    decoder = Decoder(load_model(cmf, device), min(s.batch, len(rows)), s.length, device, s.precision,
+                      s.temperature, s.top_k, s.top_p)
     torch.manual_seed(s.seed * 100_003 + shard)  # the draws use the global RNG (inside a CUDA graph on the GPU)
-    tokens = np.zeros((len(rows), s.length), dtype=np.int32)
     t0 = time.perf_counter()
-    for start in range(0, len(rows), batch):
-        n = min(batch, len(rows) - start)
-        first = torch.from_numpy(firsts[start : start + n]).to(device)
-        tok = torch.cat([first, first[-1:].expand(batch - n)])  # pad to the static batch; padding is dropped
-        seq = [tok]
-        for t in range(s.length - 1):
-            tok = decoder.next_ids(tok, t, greedy=t < s.greedy_prefix)
-            seq.append(tok)
-        tokens[start : start + n] = torch.stack(seq, 1)[:n].cpu().numpy()
-        done = (start + n) * s.length
-        print(f"generate_corpus shard {shard}: {start + n}/{len(rows)} sequences, "
-              f"{done / (time.perf_counter() - t0):.0f} tok/s", file=sys.stderr)
+    tokens = sample_sequences(decoder, firsts, s, f"generate_corpus shard {shard}")
     write_corpus(out, tokens, {"teacher_hash": teacher_hash(cmf), "shard": shard, "settings": json.dumps(asdict(s)),
                                "tokens_hash": hex16(hash64(tokens.tobytes()))})
     print(f"generate_corpus: shard {shard}/{s.shards}: {len(rows)} sequences × {s.length} tokens, "

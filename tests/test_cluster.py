@@ -14,7 +14,7 @@ from nvg.cmf import verify
 from tests.conftest import REPO, tiny_config
 
 PROFILE = REPO / "tests/profiles/cluster-generic"
-GPU_RULES = {"teacher_topk", "gram_capture", "budget_reencode", "train_student", "evaluate"}
+GPU_RULES = {"generate_corpus", "teacher_topk", "gram_capture", "budget_reencode", "train_student", "evaluate"}
 
 
 def test_whole_dag_through_an_executor_plugin_resumes_after_a_time_limit(tiny_hf, tiny_corpus, tmp_path):
@@ -33,9 +33,10 @@ def test_whole_dag_through_an_executor_plugin_resumes_after_a_time_limit(tiny_hf
     requests = {}
     for rule, *resources in submitted:
         requests.setdefault(rule, []).append(dict(r.split("=") for r in resources))
-    assert set(requests) == {"import_teacher", "tokenize_windows", "teacher_topk", "gram_capture", "budget_reencode",
+    assert set(requests) == {"import_teacher", "generate_corpus", "tokenize_windows", "teacher_topk", "gram_capture", "budget_reencode",
                              "train_student", "export", "evaluate", "report"}
     assert len(requests["teacher_topk"]) == config["teacher_topk"]["shards"]  # one job per shard
+    assert len(requests["generate_corpus"]) == config["generate_corpus"]["shards"]
     for rule, jobs in requests.items():
         assert all(j["gpu"] == ("1" if rule in GPU_RULES else "0") for j in jobs), (rule, jobs)
     # the first training job was stopped at its "time limit"; the retry asked for twice the runtime and resumed
