@@ -21,7 +21,7 @@ import numpy as np
 from nvg import blr as codec
 from nvg.artifacts import read_grams
 from nvg.atomic import write_json
-from nvg.cmf import BLR, Tensor, read_cmf, tensor_to_numpy, write_cmf
+from nvg.cmf import BLR, Tensor, read_cmf, read_verified, tensor_to_numpy, write_cmf
 from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.errors import exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
@@ -33,11 +33,11 @@ from nvg.settings import load
 def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSettings,
          plan_path: Path | None = None, student: Path | None = None) -> None:
     plan = read_plan(plan_path, settings.bpw)  # plan errors come before any model is read
-    t_cmf = read_cmf(teacher)
+    t_cmf = read_verified(teacher)
     arch = t_cmf.arch
     body = [n for n in t_cmf.tensors if parse_body_linear(n)]
     plan.check_against(arch["num_layers"], body)
-    s_cmf = read_cmf(student) if student else None
+    s_cmf = read_verified(student) if student else None
     device = pick_device(settings.device)
     t0 = time.perf_counter()
     payloads, rows = {}, {}

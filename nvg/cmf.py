@@ -322,6 +322,15 @@ def verify(path) -> list[str]:
     return problems
 
 
+def read_verified(path) -> CmfFile:
+    """`read_cmf` after `verify`: a stage never trains on, encodes from or copies a file whose bytes
+    changed after they were hashed (export would otherwise write fresh hashes over the damage)."""
+    problems = verify(path)
+    if problems:
+        raise NvgError(f"{problems[0]} (the file changed after it was written: rerun the stage that wrote it)")
+    return read_cmf(path)
+
+
 # ── dequantisation (teachers may arrive quantised) ──
 
 def _f16(b, count, at=0) -> np.ndarray:

@@ -61,9 +61,10 @@ class Targets:
     n_train: int
 
     @classmethod
-    def from_files(cls, windows: Path, topk: list[Path]) -> "Targets":
-        tokens, attrs = read_windows(windows)
-        t_ids, t_logp = read_topk(topk, len(tokens))
+    def from_files(cls, windows: Path, topk: list[Path], vocab: int) -> "Targets":
+        """Both checked on reading (`nvg/artifacts.py`): content hash, lineage, ranges, finiteness."""
+        tokens, attrs = read_windows(windows, vocab)
+        t_ids, t_logp = read_topk(topk, attrs, len(tokens), vocab)
         return cls(tokens, t_ids, t_logp, int(attrs["n_train"]))
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from nvg import blr as codec
-from nvg.cmf import BLR, Tensor, dense_tensor, read_cmf, tensor_to_numpy, write_cmf
+from nvg.cmf import BLR, Tensor, dense_tensor, read_verified, tensor_to_numpy, write_cmf
 from nvg.distill import Distiller, Targets
 from nvg.errors import exits_cleanly
 from nvg.model import load_model, pick_device
@@ -93,8 +93,8 @@ def cut_tensor(t: Tensor, keep: np.ndarray, rows: bool) -> Tensor:
 
 def main(student: Path, windows: Path, topk: list[Path], out: Path, s: DtgmaSettings) -> None:
     torch.manual_seed(s.seed)
-    device, s_cmf = pick_device(s.device), read_cmf(student)
-    targets = Targets.from_files(windows, topk)
+    device, s_cmf = pick_device(s.device), read_verified(student)
+    targets = Targets.from_files(windows, topk, s_cmf.arch["vocab_size"])
     # recompute_every 1: on CUDA each block's activations are recomputed in backward (memory, not results)
     d = Distiller(load_model(s_cmf, device), targets, device, batch=s.batch, precision=s.precision, recompute_every=1)
     model, n_train = d.model, targets.n_train

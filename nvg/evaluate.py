@@ -25,7 +25,7 @@ import torch
 
 from nvg.artifacts import read_topk, read_windows
 from nvg.atomic import write_json
-from nvg.cmf import read_cmf
+from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import bits_summary
 from nvg.losses import next_token_nll, student_scores, topk_kl
@@ -98,11 +98,12 @@ def stage_seconds(paths: list[Path]) -> dict:
 
 def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Path], out: Path,
          settings: EvalSettings, benchmarks: list[Path]) -> None:
-    tokens, attrs = read_windows(windows)
+    cmfs = {"teacher": read_verified(teacher), "encoded": read_verified(encoded), "final": read_verified(final)}
+    vocab = cmfs["teacher"].arch["vocab_size"]
+    tokens, attrs = read_windows(windows, vocab)
     n_train = int(attrs["n_train"])
-    t_ids, t_logp = read_topk(topk, len(tokens))
+    t_ids, t_logp = read_topk(topk, attrs, len(tokens), vocab)
     device = pick_device(settings.device)
-    cmfs = {"teacher": read_cmf(teacher), "encoded": read_cmf(encoded), "final": read_cmf(final)}
     models = {n: compile_blocks(load_model(c, device)) for n, c in cmfs.items()}
     report = {"heldout": score(models, tokens[n_train:], t_ids[n_train:], t_logp[n_train:], settings, device)}
     if settings.ood:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from nvg.atomic import atomic_path
-from nvg.cmf import cmf_bytes, read_cmf, verify
+from nvg.cmf import cmf_bytes, read_verified, verify
 from nvg.errors import NvgError, exits_cleanly
 
 PACKAGES = ("nvg", "torch", "numpy", "h5py", "snakemake", "transformers", "tokenizers", "safetensors")
@@ -34,7 +34,7 @@ def package_versions() -> dict:
 
 
 def main(trained: Path, out: Path, pipeline_settings: dict) -> None:
-    cmf = read_cmf(trained)
+    cmf = read_verified(trained)
     header = dict(cmf.header)
     header["provenance"] = {**header.get("provenance", {}),
                             "nvg_pipeline": {"settings": pipeline_settings, "versions": package_versions()}}

@@ -25,11 +25,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import shard_rows, teacher_hash, write_corpus
-from nvg.cmf import read_cmf
+from nvg.artifacts import content_hash, shard_rows, teacher_hash, write_corpus
+from nvg.cmf import read_verified
 from nvg.decoding import Decoder
 from nvg.errors import NvgError, exits_cleanly
-from nvg.hash64 import hash64, hex16
 from nvg.model import load_model, pick_device
 from nvg.settings import load
 
@@ -90,7 +89,7 @@ def sample_sequences(decoder: Decoder, firsts: np.ndarray, s: CorpusSettings, la
 
 def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None:
     s = settings
-    cmf = read_cmf(teacher)
+    cmf = read_verified(teacher)
     if not cmf.vocab:
         raise NvgError(f"{teacher}: vocab section is empty (no tokenizer to pick first tokens with)")
     if s.length > cmf.arch["max_position_embeddings"]:
@@ -107,7 +106,7 @@ def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None
     t0 = time.perf_counter()
     tokens = sample_sequences(decoder, firsts, s, f"generate_corpus shard {shard}")
     write_corpus(out, tokens, {"teacher_hash": teacher_hash(cmf), "shard": shard, "settings": json.dumps(asdict(s)),
-                               "tokens_hash": hex16(hash64(tokens.tobytes()))})
+                               "tokens_blake2b": content_hash(tokens)})
     print(f"generate_corpus: shard {shard}/{s.shards}: {len(rows)} sequences × {s.length} tokens, "
           f"{tokens.size / (time.perf_counter() - t0):.0f} tok/s on {device} → {out}", file=sys.stderr)
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from nvg.artifacts import read_windows, write_grams
+from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import BODY_ROLES, ROLE_INPUT
 from nvg.model import autocast, load_model, pick_device
@@ -67,18 +68,19 @@ def capture(model, tokens: np.ndarray, device, batch: int, precision: str) -> tu
 
 
 def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> None:
-    tokens, attrs = read_windows(windows)
+    cmf = read_verified(model_path)
+    tokens, attrs = read_windows(windows, cmf.arch["vocab_size"])
     n_train = int(attrs["n_train"])
     if settings.fit_windows + settings.sel_windows > n_train:
         raise NvgError(f"config grams: fit_windows + sel_windows = {settings.fit_windows + settings.sel_windows} "
                        f"exceeds the {n_train} training windows")
     device = pick_device(settings.device)
-    model = load_model(model_path, device)
+    model = load_model(cmf, device)
     fit = tokens[: settings.fit_windows]
     sel = tokens[settings.fit_windows : settings.fit_windows + settings.sel_windows]
     g_fit, c_fit = capture(model, fit, device, settings.batch, settings.precision)
     g_sel, c_sel = capture(model, sel, device, settings.batch, settings.precision)
-    write_grams(out, g_fit, g_sel, c_fit, c_sel, {"model": str(model_path), "windows_hash": attrs["tokens_hash"],
+    write_grams(out, g_fit, g_sel, c_fit, c_sel, {"model": str(model_path), "windows_hash": attrs["tokens_blake2b"],
                                                   "inputs": sorted(set(ROLE_INPUT.values()))})
     print(f"gram_capture: {len(g_fit)} Grams ({c_fit} FIT + {c_sel} SEL tokens) on {device} → {out}", file=sys.stderr)
 

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from nvg.artifacts import read_windows, shard_rows, teacher_hash, topk_shard
-from nvg.cmf import read_cmf
+from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.losses import topk_logprobs
 from nvg.model import autocast, compile_blocks, load_model, pick_device
@@ -39,17 +39,17 @@ class TopkSettings:
 
 
 def main(teacher: Path, windows: Path, shard: int, out: Path, settings: TopkSettings) -> None:
-    tokens, w_attrs = read_windows(windows)
+    cmf = read_verified(teacher)
+    tokens, w_attrs = read_windows(windows, cmf.arch["vocab_size"])
     rows = shard_rows(len(tokens), shard, settings.shards)
     device = pick_device(settings.device)
-    cmf = read_cmf(teacher)
     model = load_model(cmf, device)
     if settings.precision != "fp32" and device.type == "cuda":
         model = model.to(torch.bfloat16 if settings.precision == "bf16" else torch.float16)
     model = compile_blocks(model)
     window, k = tokens.shape[1], settings.k
     t0, done = time.perf_counter(), 0
-    attrs = {"k": k, "teacher_hash": teacher_hash(cmf), "windows_hash": w_attrs["tokens_hash"]}
+    attrs = {"k": k, "teacher_hash": teacher_hash(cmf), "windows_hash": w_attrs["tokens_blake2b"]}
     with topk_shard(out, rows, window, k, attrs) as shard_file:
         for s in range(0, len(rows), settings.batch):
             ids = torch.from_numpy(tokens[rows[s : s + settings.batch]]).to(device, non_blocking=True)

@@ -19,8 +19,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import read_corpus, teacher_hash, write_windows
-from nvg.cmf import read_cmf
+from nvg.artifacts import content_hash, read_corpus, teacher_hash, write_windows
+from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
 from nvg.settings import load
@@ -58,7 +58,7 @@ def source_windows(spec: str, budget: int, window: int, tokenizer, render_chat, 
 def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Path] = ()) -> None:
     from tokenizers import Tokenizer
 
-    cmf = read_cmf(teacher)
+    cmf = read_verified(teacher)
     if not cmf.vocab:
         raise NvgError(f"{teacher}: vocab section is empty (no tokenizer to tokenize with)")
     tokenizer = Tokenizer.from_str(cmf.vocab.decode("utf-8"))
@@ -85,7 +85,7 @@ def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Pat
         "n_train": len(tokens) - settings.eval_windows, "n_eval": settings.eval_windows,
         "window": settings.window, "seed": settings.seed,
         "sources": json.dumps(settings.sources), "tokenizer_hash": hex16(hash64(cmf.vocab)),
-        "tokens_hash": hex16(hash64(tokens.tobytes())),
+        "tokens_blake2b": content_hash(tokens),
     })
     print(f"tokenize_windows: {len(tokens)} windows of {settings.window} tokens ({settings.eval_windows} held out) → {out}")
 

@@ -33,7 +33,7 @@ import torch
 
 from nvg import distributed
 from nvg.atomic import atomic_path
-from nvg.cmf import BLR, F16, CmfFile, Tensor, dense_tensor, read_cmf, write_cmf
+from nvg.cmf import BLR, F16, CmfFile, Tensor, dense_tensor, read_verified, write_cmf
 from nvg.distill import Distiller, Targets, lr_shape
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
@@ -159,9 +159,9 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings) -> R
     say = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if group.main else (lambda *a, **k: None)  # noqa: E731
     if group.world != s.gpus:
         raise NvgError(f"config train.gpus: {s.gpus}, but {group.world} processes were started (torchrun --nproc_per_node)")
-    targets = Targets.from_files(windows, topk)
+    s_cmf = read_verified(student)
+    targets = Targets.from_files(windows, topk, s_cmf.arch["vocab_size"])
     device = group.device(pick_device(s.device))
-    s_cmf = read_cmf(student)
     d = Distiller(compile_blocks(load_model(s_cmf, device)), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group)
     if not d.params:

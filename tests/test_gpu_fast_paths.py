@@ -53,8 +53,8 @@ def test_compiled_blocks_with_recompute_match_the_eager_cpu_model(stage_inputs):
     from nvg.model import compile_blocks, load_model
     from nvg.artifacts import read_topk, read_windows
 
-    tokens, _ = read_windows(stage_inputs / "windows.h5")
-    t_ids, t_logp = read_topk([stage_inputs / "topk.0.h5"], len(tokens))
+    tokens, attrs = read_windows(stage_inputs / "windows.h5")
+    t_ids, t_logp = read_topk([stage_inputs / "topk.0.h5"], attrs, len(tokens), 300)
     batch = [torch.from_numpy(a[:8]) for a in (tokens, t_ids, t_logp)]
     ref_loss, ref = _loss_and_grads(load_model(stage_inputs / "student.cmf"), *batch, 0)
     fast = compile_blocks(load_model(stage_inputs / "student.cmf", "cuda"))

@@ -59,3 +59,16 @@ def test_broken_hf_teacher(tiny_hf, tmp_path, capsys, broken, problem):
         corrupt(folder / "model.safetensors", folder / "model.safetensors", "truncated")
     out = tmp_path / "teacher.cmf"
     fails_cleanly(import_teacher.cli, ["--source", folder, "--out", out], capsys, str(folder), problem, [out])
+
+
+def test_a_teacher_that_does_not_exist_stops_the_run_even_with_an_imported_teacher(tiny_hf, tiny_corpus, tiny_cmf, tmp_path):
+    """A typo in `teacher:` must not let the existing results/teacher.cmf stand in for the teacher."""
+    from tests.conftest import snakemake, tiny_config
+
+    (tmp_path / "results").mkdir()
+    shutil.copy(tiny_cmf, tmp_path / "results/teacher.cmf")
+    config = {**tiny_config(tiny_hf, tiny_corpus), "teacher": str(tmp_path / "does-not-exist")}
+    out = snakemake(tmp_path, config, "-n", check=False)
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: config teacher: {tmp_path / 'does-not-exist'}: not found"], out.stderr

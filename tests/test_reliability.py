@@ -201,6 +201,82 @@ def test_bad_config_stops_snakemake_with_one_line(tmp_path):
     assert "Traceback" not in out.stderr and not (tmp_path / "results").exists()
 
 
+# ---------------------------------------------------------------- lineage ------------------------------------------
+# Intermediates changed after they were written, or taken from another run: refused before training,
+# in one line naming the file (each of these trained silently before, and the result passed `nvg verify`).
+
+
+def tampered_copies(tiny_stages, tmp_path, what: str) -> dict:
+    """Copies of the stage outputs with one fault; mtimes kept, as a careless copy or an attacker would."""
+    import h5py
+
+    from nvg.artifacts import content_hash
+
+    files = {n: tmp_path / n for n in ("windows.h5", "topk.0.h5", "student.cmf")}
+    for name, dst in files.items():
+        shutil.copy2(tiny_stages / name, dst)
+    if what in ("replaced window", "swapped windows", "id out of range"):
+        with h5py.File(files["windows.h5"], "r+") as f:
+            tokens = f["tokens"][...]
+            if what == "replaced window":
+                tokens[3] = tokens[4]  # valid ids, another window's
+            elif what == "swapped windows":
+                tokens[[3, 4]] = tokens[[4, 3]]  # the same 8-byte words in another order: hash64 cannot see it
+            else:
+                tokens[3, 5] = 100_000
+                f.attrs["tokens_blake2b"] = content_hash(tokens)  # a consistent file: only the range check sees it
+            f["tokens"][...] = tokens
+    elif what in ("other windows", "NaN logp", "ids out of range", "another k"):
+        with h5py.File(files["topk.0.h5"], "r+") as f:
+            if what == "other windows":
+                f.attrs["windows_hash"] = "0" * 32  # a shard made from another data.seed's windows
+            elif what == "NaN logp":
+                logp = f["logp"][2]
+                logp[7, 0] = np.nan
+                f["logp"][2] = logp
+            elif what == "ids out of range":
+                ids = f["ids"][2]
+                ids[7, 0] = -4
+                f["ids"][2] = ids
+        if what == "another k":
+            second = tmp_path / "topk.1.h5"
+            shutil.copy2(files["topk.0.h5"], second)
+            with h5py.File(second, "r+") as f:
+                f.attrs["k"] = 4
+            files["topk.1.h5"] = second
+    elif what == "flipped payload":
+        from nvg.cmf import read_cmf
+
+        cmf = read_cmf(files["student.cmf"])
+        q = cmf.tensors["model.layers.0.self_attn.q_proj.weight"]
+        raw = bytearray(files["student.cmf"].read_bytes())
+        at = raw.index(bytes(q.data)) + 32  # 64 bytes inside q_proj's payload
+        raw[at : at + 64] = bytes(b ^ 0xFF for b in raw[at : at + 64])
+        files["student.cmf"].write_bytes(bytes(raw))
+    return files
+
+
+@pytest.mark.parametrize("what, culprit, problem", [
+    ("replaced window", "windows.h5", "do not match their tokens_blake2b"),
+    ("swapped windows", "windows.h5", "do not match their tokens_blake2b"),
+    ("id out of range", "windows.h5", "token id 100000 is outside the model's vocabulary"),
+    ("other windows", "topk.0.h5", "made from other windows"),
+    ("NaN logp", "topk.0.h5", "logp holds NaN"),
+    ("ids out of range", "topk.0.h5", "ids outside the vocabulary"),
+    ("another k", "topk.1.h5", "k 4 differs from"),
+    ("flipped payload", "student.cmf", "hash does not match its payload"),
+])
+def test_a_changed_or_foreign_intermediate_is_refused_before_training(tiny_stages, tmp_path, capsys, what, culprit,
+                                                                      problem):
+    files = tampered_copies(tiny_stages, tmp_path, what)
+    out, metrics = tmp_path / "trained.cmf", tmp_path / "metrics.jsonl"
+    topk = [files[n] for n in ("topk.0.h5", "topk.1.h5") if n in files]
+    fails_cleanly(train_student.cli, ["--student", files["student.cmf"], "--windows", files["windows.h5"], "--topk", *topk,
+                                      "--out", out, "--metrics", metrics,
+                                      "--settings", json.dumps({"state_root": str(tmp_path / "state")})],
+                  capsys, str(files[culprit]), problem, [out, metrics])
+
+
 # ---------------------------------------------------------------- fuzzing --------------------------------------------
 # Bounded: a fixed number of examples, no deadline (CI machines are slow); derandomized so CI is repeatable.
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -316,3 +392,20 @@ def test_a_required_setting_left_out_is_named():
 
     with pytest.raises(NvgError, match=r"config dtgma\.keep: required"):
         load(DtgmaSettings, "{}")
+
+
+def test_the_default_config_restates_the_schema_defaults():
+    """config.yaml is the default job written out: every value in it is the schema's default, so the
+    pipeline with a key left out and the default job agree."""
+    from nvg.settings import with_defaults
+
+    defaults = with_defaults(SCHEMA_DOC, {})
+
+    def walk(node, default, path):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, default.get(key), f"{path}.{key}" if path else key)
+        else:
+            assert node == default, f"config.yaml {path}: {node!r}, schema default {default!r}"
+
+    walk(DEFAULT_CONFIG, defaults, "")

@@ -9,7 +9,7 @@ import torch
 import pytest
 
 from nvg.losses import topk_kl, topk_last, topk_logprobs
-from nvg.artifacts import read_topk
+from nvg.artifacts import read_topk, read_windows
 from nvg.teacher_topk import TopkSettings, main
 from nvg.tokenize_windows import WindowSettings, main as make_windows
 from nvg.settings import load
@@ -68,7 +68,7 @@ def test_shards_cover_every_window(tiny_cmf, tiny_corpus, tmp_path):
     with h5py.File(paths[0]) as f:
         assert f["ids"].dtype == np.int32 and f["logp"].dtype == np.float16 and f.attrs["k"] == 8
         assert f["ids"].chunks == (1, 32, 8)
-    ids, logp = read_topk(paths, 20)
+    ids, logp = read_topk(paths, read_windows(tmp_path / "w.h5")[1], 20, 300)
     assert ids.shape == (20, 32, 8)
     mass = np.exp(logp.astype(np.float64)).sum(-1)
     assert (mass <= 1.0 + 1e-3).all() and (mass > 0).all()

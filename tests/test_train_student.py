@@ -132,21 +132,22 @@ def test_bad_settings(text, message):
         load(TrainSettings, text)
 
 
-def test_a_non_finite_step_is_skipped_counted_and_logged(stage_inputs):
-    import shutil
-
-    import h5py
-    import numpy as np
+def test_a_non_finite_step_is_skipped_counted_and_logged(stage_inputs, monkeypatch):
+    """A step whose loss is not finite (fp16 overflow, say) is skipped, counted and logged; training
+    goes on. The loss of every batch holding training window 0 is made NaN here."""
+    from nvg.distill import Distiller
 
     d = stage_inputs
-    shutil.copy(d / "topk.0.h5", d / "topk-nan.h5")
-    with h5py.File(d / "topk-nan.h5", "r+") as f:
-        logp = f["logp"][0]
-        logp[5] = np.nan  # one poisoned token in training window 0: its batch gives a NaN loss
-        f["logp"][0] = logp
+    clean = Distiller.loss
+
+    def poisoned(self, rows):
+        loss = clean(self, rows)
+        return loss * float("nan") if torch.is_grad_enabled() and 0 in rows else loss
+
+    monkeypatch.setattr(Distiller, "loss", poisoned)
     s = load(TrainSettings, epochs=2, batch=8, lr=0.01, eval_every=100, state_every=0, precision="fp16",
-                      state_root=str(d / "state-nan"))
-    main(d / "student.cmf", d / "windows.h5", [d / "topk-nan.h5"], "tiny", d / "nan.cmf", d / "nan.jsonl", s)
+             state_root=str(d / "state-nan"))
+    main(d / "student.cmf", d / "windows.h5", [d / "topk.0.h5"], "tiny", d / "nan.cmf", d / "nan.jsonl", s)
     block = read_cmf(d / "nan.cmf").header["provenance"]["nvg_train"]
     assert block["skipped"] == 2 and block["steps"] == 2 * (1536 // 32 // 8) - 2
     assert any(json.loads(x).get("skipped") for x in (d / "nan.jsonl").read_text().splitlines())

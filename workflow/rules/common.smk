@@ -43,12 +43,17 @@ def nvg_sources(stage):
 
 
 def teacher_source():
-    """The teacher's file or folder; `pkg:<module>/<path>` resolved without importing the package."""
+    """The teacher's file or folder (`pkg:<module>/<path>` resolved without importing the package); one
+    error line before any job when it does not exist."""
     try:
-        return str(resolve_path(config["teacher"]))
+        path = resolve_path(config["teacher"])
     except NvgError as e:
         sys.stderr.write(f"error: config teacher: {e}\n")
         sys.exit(2)
+    if not path.exists():  # else an existing results/teacher.cmf would silently stand in for it
+        sys.stderr.write(f"error: config teacher: {path}: not found\n")
+        sys.exit(2)
+    return str(path)
 
 
 def train_launcher():
