@@ -28,7 +28,7 @@ from nvg.atomic import write_json
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import bits_summary
-from nvg.losses import next_token_nll, student_scores, topk_kl
+from nvg.losses import next_token_nll, student_scores, topk_kl, topk_logprobs
 from nvg.model import autocast, compile_blocks, load_model, pick_device
 from nvg.settings import load
 from nvg.sources import ChatRenderer, source_tokens
@@ -47,9 +47,11 @@ class EvalSettings:
 
 
 @torch.no_grad()
-def score(models: dict, windows: np.ndarray, t_ids, t_logp, settings: EvalSettings, device) -> dict:
-    """Per model: ppl, full KL to the teacher, top-k KL (when targets are given), top-1 agreement."""
+def score(models: dict, windows: np.ndarray, t_ids, t_logp, settings: EvalSettings, device, k: int) -> dict:
+    """Per model: ppl, full KL to the teacher, top-k KL (when targets are given), top-1 agreement; and the
+    teacher's probability mass outside its own top-k (what top-k distillation never shows the student)."""
     acc = {n: {"nll": 0.0, "kl_full": 0.0, "kl_topk": 0.0, "agree": 0} for n in models}
+    tail = 0.0
     n_pred = n_tok = 0
     teacher = models["teacher"]
     for s in range(0, len(windows), settings.batch):
@@ -60,6 +62,7 @@ def score(models: dict, windows: np.ndarray, t_ids, t_logp, settings: EvalSettin
                 if name == "teacher":  # against itself: KL 0 and full agreement by definition
                     h = t_hidden
                     acc[name]["nll"] += float(next_token_nll(h[:, :-1], m.head_weight, ids[:, 1:]))
+                    tail += float((1 - topk_logprobs(h, m.head_weight, k)[1].exp().sum(-1)).clamp_min(0).sum())
                     acc[name]["agree"] += ids.numel()
                 else:
                     h = m.hidden(ids)
@@ -82,6 +85,7 @@ def score(models: dict, windows: np.ndarray, t_ids, t_logp, settings: EvalSettin
     for name in models:  # how far from the teacher, the number a user reads first
         out[name]["ppl_ratio"] = out[name]["perplexity"] / out["teacher"]["perplexity"]
     out["tokens"] = n_tok
+    out["teacher_mass_outside_topk"] = {"k": k, "mean": tail / n_tok}
     return out
 
 
@@ -105,7 +109,8 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
     t_ids, t_logp = read_topk(topk, attrs, len(tokens), vocab)
     device = pick_device(settings.device)
     models = {n: compile_blocks(load_model(c, device)) for n, c in cmfs.items()}
-    report = {"heldout": score(models, tokens[n_train:], t_ids[n_train:], t_logp[n_train:], settings, device)}
+    k = t_ids.shape[-1]
+    report = {"heldout": score(models, tokens[n_train:], t_ids[n_train:], t_logp[n_train:], settings, device, k)}
     if settings.ood:
         from tokenizers import Tokenizer
 
@@ -118,7 +123,7 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
             ood = ids[: len(ids) // window * window].reshape(-1, window)
             if len(ood) == 0:
                 raise NvgError(f"{source}: fewer than one {window}-token window of out-of-domain text")
-            report["ood"][source] = score(models, ood, None, None, settings, device)
+            report["ood"][source] = score(models, ood, None, None, settings, device, k)
     report["files"] = {n: {"path": str(c.path), "bytes": c.path.stat().st_size, **bits_summary(c)} for n, c in cmfs.items()}
     report["training_tokens"] = cmfs["final"].header.get("provenance", {}).get("nvg_train", {}).get("tokens")
     report["stage_seconds"] = stage_seconds(benchmarks)

@@ -35,8 +35,35 @@ class TeacherSource:
     tokenizer_config: dict
 
 
+# What nvg's model computes exactly: Llama-family decoders (RMSNorm, full rotary, GQA, SwiGLU), with the
+# q/k/v biases and q/k norms of Qwen2/Qwen3. Anything else is refused at import, naming what differs.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def unsupported(cfg: dict) -> str | None:
+    """What of this Hugging Face config nvg would compute wrongly, or None."""
+    arch = cfg.get("model_type", "llama")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        return f"architecture {arch!r} is not supported (nvg computes {', '.join(SUPPORTED_ARCHITECTURES)} exactly)"
+    window, positions = cfg.get("sliding_window"), cfg.get("max_position_embeddings", 2048)
+    uses_window = cfg.get("use_sliding_window", arch == "mistral")
+    if window and uses_window and window < positions:
+        return f"architecture {arch!r}: sliding-window attention (sliding_window {window} < {positions} positions) is not supported"
+    if any("sliding" in str(t) for t in cfg.get("layer_types") or []):
+        return f"architecture {arch!r}: sliding-window layers in layer_types are not supported"
+    moe = [k for k in MOE_KEYS if cfg.get(k)]
+    if moe:
+        return f"architecture {arch!r}: mixture of experts ({moe[0]} {cfg[moe[0]]}) is not supported"
+    if cfg.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
+        return f"architecture {arch!r}: partial rotary (partial_rotary_factor {cfg['partial_rotary_factor']}) is not supported"
+    return None
+
+
 def arch_from_hf_config(cfg: dict, source) -> dict:
     """cortiq `arch` keys from a Hugging Face config.json (HF renames: num_hidden_layers → num_layers …)."""
+    if problem := unsupported(cfg):
+        raise NvgError(f"{source}: {problem}")
     try:
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -101,6 +128,7 @@ def load_hf_folder(folder: Path) -> TeacherSource:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as e:
         raise NvgError(f"{cfg_path}: not valid JSON: {e}") from None
+    arch = arch_from_hf_config(cfg, cfg_path)  # an unsupported architecture fails before any weight is read
     tensors = {}
     for f in files:
         try:
@@ -113,8 +141,7 @@ def load_hf_folder(folder: Path) -> TeacherSource:
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
     template_path = folder / "chat_template.jinja"
     template = template_path.read_text() if template_path.exists() else None
-    return TeacherSource(arch_from_hf_config(cfg, cfg_path), tensors, tok_json,
-                         tokenizer_config_from(tok_cfg, template, _token_ids(tok_json)))
+    return TeacherSource(arch, tensors, tok_json, tokenizer_config_from(tok_cfg, template, _token_ids(tok_json)))
 
 
 def check_gguf(path: Path) -> None:
@@ -139,6 +166,7 @@ def load_gguf(path: Path) -> TeacherSource:
     check_gguf(path)
     try:
         cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        arch = arch_from_hf_config(cfg.to_dict(), path)  # before the weights are dequantised
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (OSError, ValueError, KeyError, EnvironmentError) as e:
@@ -150,9 +178,7 @@ def load_gguf(path: Path) -> TeacherSource:
         tok_cfg = json.loads((Path(tmp) / "tokenizer_config.json").read_text())
         tpl = Path(tmp) / "chat_template.jinja"
         template = tpl.read_text() if tpl.exists() else getattr(tok, "chat_template", None)
-    cfg_dict = cfg.to_dict()
-    return TeacherSource(arch_from_hf_config(cfg_dict, path), tensors, tok_json,
-                         tokenizer_config_from(tok_cfg, template, _token_ids(tok_json)))
+    return TeacherSource(arch, tensors, tok_json, tokenizer_config_from(tok_cfg, template, _token_ids(tok_json)))
 
 
 def load_cmf_teacher(path: Path) -> TeacherSource:

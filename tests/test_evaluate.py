@@ -37,6 +37,8 @@ def test_the_teacher_against_itself_and_the_student_against_the_teacher(evaluate
         assert scores["tokens"] == 256 or scores is evaluated["heldout"]
     assert evaluated["heldout"]["teacher"]["kl_topk"] < evaluated["heldout"]["encoded"]["kl_topk"]
     assert evaluated["heldout"]["tokens"] == 8 * 32
+    for scores in sets:  # the teacher's mass beyond the cached top-8, which top-k distillation never shows
+        assert scores["teacher_mass_outside_topk"]["k"] == 8 and 0 < scores["teacher_mass_outside_topk"]["mean"] < 1
     assert 0 < evaluated["files"]["encoded"]["body_bpw"] <= 2.0 < evaluated["files"]["teacher"]["body_bpw"]
 
 

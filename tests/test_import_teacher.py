@@ -72,3 +72,29 @@ def test_a_teacher_that_does_not_exist_stops_the_run_even_with_an_imported_teach
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: config teacher: {tmp_path / 'does-not-exist'}: not found"], out.stderr
+
+
+@pytest.mark.parametrize("edit, problem", [
+    ({"model_type": "mistral", "sliding_window": 64}, "architecture 'mistral': sliding-window attention (sliding_window 64 < 256 positions)"),
+    ({"model_type": "mixtral", "num_local_experts": 8}, "architecture 'mixtral' is not supported"),
+    ({"model_type": "phi3"}, "architecture 'phi3' is not supported"),
+    ({"model_type": "gpt2"}, "architecture 'gpt2' is not supported"),
+    ({"num_local_experts": 4}, "architecture 'llama': mixture of experts (num_local_experts 4)"),
+    ({"partial_rotary_factor": 0.5}, "architecture 'llama': partial rotary"),
+])
+def test_an_architecture_nvg_would_compute_wrongly_is_refused_at_import(tiny_hf, tmp_path, capsys, edit, problem):
+    folder = tmp_path / "teacher"
+    shutil.copytree(tiny_hf, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **edit}))
+    out = tmp_path / "teacher.cmf"
+    fails_cleanly(import_teacher.cli, ["--source", folder, "--out", out], capsys, str(folder / "config.json"), problem, [out])
+
+
+def test_a_window_as_long_as_the_positions_is_full_attention_and_accepted(tiny_hf, tmp_path):
+    folder = tmp_path / "teacher"
+    shutil.copytree(tiny_hf, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral", "sliding_window": 256}))
+    import_teacher.main(str(folder), tmp_path / "teacher.cmf", "f16")
+    assert read_cmf(tmp_path / "teacher.cmf").arch["arch_name"] == "mistral"
