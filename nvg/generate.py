@@ -24,15 +24,18 @@ from nvg.sources import ChatRenderer
 @torch.no_grad()
 def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: float, stop_ids: set[int],
              seed: int, device) -> list[int]:
-    """New token ids after `prompt_ids`: argmax when temperature is 0, else softmax(logits / temperature) samples."""
+    """New token ids after `prompt_ids`: argmax when temperature is 0, else softmax(logits / temperature)
+    samples. The prompt runs once and fills the KV cache; every new token is then one cached step."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    ids = list(prompt_ids)
-    limit = model.cfg.max_position_embeddings
-    for _ in range(max_new_tokens):
-        if len(ids) >= limit:
-            break
+    limit = min(model.cfg.max_position_embeddings, len(prompt_ids) + max_new_tokens)
+    if len(prompt_ids) >= limit:
+        return []
+    model.setup_cache(1, limit, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ids, step = list(prompt_ids), torch.tensor([prompt_ids], device=device)
+    pos = torch.arange(len(prompt_ids), device=device)
+    while len(ids) < limit:
         with autocast(device, "bf16"):
-            h = model.hidden(torch.tensor([ids], device=device))[:, -1]
+            h = model.decode(step, pos)[:, -1]
             logits = (h @ model.head_weight.to(h.dtype).T).float().cpu()[0]
         if temperature <= 0:
             nxt = int(logits.argmax())
@@ -41,6 +44,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
         ids.append(nxt)
         if nxt in stop_ids:
             break
+        step, pos = torch.tensor([[nxt]], device=device), torch.tensor([len(ids) - 1], device=device)
     return ids[len(prompt_ids):]
 
 
