@@ -295,9 +295,10 @@ def write_cmf_shards(first_path, header: dict, tensors: list[Tensor], vocab: byt
     return paths
 
 
-def verify(path) -> list[str]:
-    """Every hash in the file (header, directory, each tensor, each section); returns the mismatches."""
-    cmf = read_cmf(path)
+def verify(path, cmf: CmfFile | None = None) -> list[str]:
+    """Every hash in the file (header, directory, each tensor, each section); returns the mismatches.
+    `cmf`: the file already read, so that it is not parsed twice."""
+    cmf = cmf or read_cmf(path)
     problems = []
     files = [cmf.path]
     m = SHARD_NAME.match(cmf.path.name)
@@ -325,10 +326,11 @@ def verify(path) -> list[str]:
 def read_verified(path) -> CmfFile:
     """`read_cmf` after `verify`: a stage never trains on, encodes from or copies a file whose bytes
     changed after they were hashed (export would otherwise write fresh hashes over the damage)."""
-    problems = verify(path)
+    cmf = read_cmf(path)
+    problems = verify(path, cmf)
     if problems:
         raise NvgError(f"{problems[0]} (the file changed after it was written: rerun the stage that wrote it)")
-    return read_cmf(path)
+    return cmf
 
 
 # ── dequantisation (teachers may arrive quantised) ──

@@ -54,9 +54,9 @@ class Decoder:
         self.model, self.device, self.precision = model, device, precision
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.batch, self.max_len = batch, max_len
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32) \
-            if device.type == "cuda" else torch.float32
-        model.setup_cache(batch, max_len, dtype)
+        # the cache holds K/V in the compute dtype: autocast's on CUDA, float32 on the CPU
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        model.setup_cache(batch, max_len, half.get(precision, torch.float32) if device.type == "cuda" else torch.float32)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # updated in place: a static graph input
         self.greedy = torch.zeros((), dtype=torch.bool, device=device)
         self.plain = top_k == 0 and top_p >= 1.0  # the whole draw fits in the graph

@@ -21,6 +21,7 @@ from nvg.cmf import BLR, CmfFile, read_cmf, tensor_to_numpy
 from nvg.errors import NvgError
 from nvg.layout import BODY_ROLES
 
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -237,14 +238,17 @@ class Llama(nn.Module):
         """[vocab, hidden]: the LM head (the embedding when tied)."""
         return self.lm_head.weight if hasattr(self, "lm_head") else self.model.embed_tokens.weight
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings in the compute dtype (autocast's when it is on)."""
+        x = self.model.embed_tokens(ids)
+        return x.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else x
+
     def hidden(self, ids: torch.Tensor, recompute_every: int = 0) -> torch.Tensor:
         """Final-normed hidden states [b, t, hidden]; logits are `hidden @ head_weight.T`, taken in chunks.
         `recompute_every` k > 0 checkpoints every k-th block (see `Block.forward`)."""
         if ids.shape[1] > self.cfg.max_position_embeddings:
             raise NvgError(f"window of {ids.shape[1]} tokens exceeds the model's max_position_embeddings {self.cfg.max_position_embeddings}")
-        x = self.model.embed_tokens(ids)
-        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        x = x.to(dt)
+        x = self.embed(ids)
         cos, sin = rotary_tables(self.cfg, ids.shape[1], ids.device)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, recompute_every > 0 and i % recompute_every == 0)
@@ -262,9 +266,7 @@ class Llama(nn.Module):
     def decode(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         """Final-normed hidden states [b, t, hidden] of tokens `ids` [b, t] at positions `pos` [t],
         attending to what is cached before them within the first `kv_len` positions (`setup_cache` first)."""
-        x = self.model.embed_tokens(ids)
-        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        x = x.to(dt)
+        x = self.embed(ids)
         cos, sin = self.rope[0][pos], self.rope[1][pos]
         for layer in self.model.layers:
             x = layer(x, cos, sin, pos=pos, kv_len=kv_len)
