@@ -17,7 +17,7 @@ import yaml
 
 from nvg.cli import STAGES
 from nvg.cmf import read_cmf, verify
-from tests.conftest import REPO, planned_jobs, snakemake
+from tests.conftest import REPO, planned_jobs, snakemake, tiny_config
 
 AFTER_DATA = {"tokenize_windows", "teacher_topk", "gram_capture", "budget_reencode", "dtgma_cut",
               "train_student", "export", "evaluate", "report"}
@@ -175,3 +175,30 @@ def test_lint_is_clean():
     out = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--snakefile", str(REPO / "Snakefile"),
                           "--directory", str(REPO)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_moved_checkout_keeps_its_cache(tiny_hf, tiny_corpus, tmp_path):
+    """The step modules' sources are declared relative to the working directory: a checkout copied
+    elsewhere (mtimes kept) plans nothing for what it already made."""
+    import shutil
+
+    first = tmp_path / "first"
+    first.mkdir()
+    for part in ("Snakefile", "workflow", "nvg"):
+        if (REPO / part).is_dir():
+            shutil.copytree(REPO / part, first / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO / part, first / part)
+    (first / "config.yaml").write_text(yaml.safe_dump(tiny_config(tiny_hf, tiny_corpus)))
+
+    def run(checkout: Path, *args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(checkout / "Snakefile"),
+                               "--directory", str(checkout), "--cores", "1", *args, "results/teacher.cmf"],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout + proc.stderr
+
+    run(first)
+    moved = tmp_path / "elsewhere" / "deeper" / "checkout"
+    shutil.copytree(first, moved, symlinks=True)
+    assert "Nothing to be done" in run(moved, "-n")

@@ -1,6 +1,7 @@
 # Helpers shared by every rule: config validation, settings as params, step-module sources as inputs.
 import ast
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ def settings(block, **extra):
 
 def nvg_sources(stage):
     """The step module's file and every nvg module it imports, transitively (the package's __init__
-    runs for any of them): a code change reruns exactly the stages that run that code."""
+    runs for any of them): a code change reruns exactly the stages that run that code. Paths are
+    relative to the working directory, so a moved or copied checkout keeps its cache."""
     seen, todo = set(), [stage, "__init__"]
     while todo:
         mod = todo.pop()
@@ -39,7 +41,7 @@ def nvg_sources(stage):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nvg"):
                 names = [node.module.split(".", 1)[1]] if "." in node.module else [a.name for a in node.names]
                 todo.extend(names)
-    return sorted(str(NVG / f"{m}.py") for m in seen)
+    return sorted(os.path.relpath(NVG / f"{m}.py") for m in seen)
 
 
 def teacher_source():
