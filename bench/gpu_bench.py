@@ -162,21 +162,21 @@ def bench_model(name: str, cfg: ModelConfig, teacher, teacher_batches, step_batc
             lambda: baseline_step(hf, opt, x, t_ids, t_p), b * WINDOW, 3 * fpt, max(2, iters // 2))
         say()
     hf = opt = None  # frees the dense model before the student is measured
-    targets = {b: t[:3] for b, t in targets.items()}
+    targets = {b: Targets(t[0], b, t[1], t[2]) for b, t in targets.items()}
     # nvg: a BLR student at 1 bpw through the pipeline's own step (nvg/distill.py)
     student = compile_blocks(blr_student(cfg, dense, 1.0).cuda())
     rows["student body bpw"] = round(float(np.mean([codec.bits_per_weight(2, m.rank, m.h.shape[1], m.g.shape[1])
                                                     for m in student.blr_linears().values()])), 3)
     sfpt = blr_flops_per_token(student) + attention_flops(cfg)
     for b in step_batches:
-        d = Distiller(student, Targets(*targets[b], b), torch.device("cuda"), batch=b, precision="bf16", recompute_every=1)
+        d = Distiller(student, targets[b], torch.device("cuda"), batch=b, precision="bf16", recompute_every=1)
         opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
         rows[f"distillation step, batch {b}: nvg (BLR 1 bpw)"] = measure(
             lambda: d.step(list(range(b)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), b * WINDOW, 3 * sfpt, max(2, iters // 2))
         say()
     if keep_activations:  # the other end of train.recompute_every: no block recomputed
         b = step_batches[-1]
-        d = Distiller(student, Targets(*targets[b], b), torch.device("cuda"), batch=b, precision="bf16", recompute_every=0)
+        d = Distiller(student, targets[b], torch.device("cuda"), batch=b, precision="bf16", recompute_every=0)
         opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
         rows[f"distillation step, batch {b}: nvg (BLR 1 bpw), recompute_every 0"] = measure(
             lambda: d.step(list(range(b)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), b * WINDOW, 3 * sfpt, max(2, iters // 2))

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from nvg import blr as codec
-from nvg.artifacts import read_grams
+from nvg.artifacts import read_grams, teacher_hash
 from nvg.atomic import write_json
 from nvg.cmf import BLR, Tensor, read_cmf, read_verified, tensor_to_numpy, write_cmf
 from nvg.encoder import EncodeSettings, encode_tensor
@@ -68,7 +68,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
             tensors.append(Tensor(name, t.dtype, t.shape, t.data))
     header = dict(base.header)
     prov = dict(header.get("provenance", {}))
-    prov["nvg_encode"] = {"method": settings.method, "bpw": settings.bpw, "paths": settings.paths,
+    prov["nvg_encode"] = {"teacher_hash": teacher_hash(t_cmf), "method": settings.method, "bpw": settings.bpw, "paths": settings.paths,
                           "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov

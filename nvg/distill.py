@@ -1,8 +1,14 @@
 """Distillation against the teacher's cached top-k: the targets, the trainable set, the schedule and
 one optimizer step. Shared by train_student (scales, gains and any training mode) and dtgma_cut (gates).
 
-Loss per token: KL(teacher top-k renormalised ‖ student), the student's full-vocabulary softmax
-gathered at the teacher's ids (`tail` adds the (k+1)-th bucket), computed in chunks (`losses.py`).
+Loss per token, from one of two kinds of targets:
+  cached top-k (the default)  KL(teacher top-k renormalised ‖ student), the student's full-vocabulary
+                              softmax gathered at the teacher's ids (`tail` adds the (k+1)-th bucket);
+  live teacher                the teacher's forward runs in the same step: KL over the whole
+                              vocabulary, plus `hidden_weight` × the per-layer loss on L2-normalised
+                              hidden states (OneBit, LittleBit). Costs a teacher forward per step and
+                              needs no top-k files; the held-out KL is then the full-vocabulary one.
+Both are computed in token chunks (`losses.py`).
 
 A training mode (sign training today) plugs into the step through hooks instead of calls spread
 over the stage's loop; it is any object with
@@ -27,7 +33,7 @@ import torch
 
 from nvg.artifacts import read_topk, read_windows
 from nvg.distributed import Group
-from nvg.losses import topk_kl
+from nvg.losses import full_kl, hidden_mse, topk_kl
 from nvg.model import autocast
 
 
@@ -53,44 +59,58 @@ def trainable(model) -> dict[str, torch.nn.Parameter]:
 
 @dataclass
 class Targets:
-    """The windows and the teacher's top-k for every window; rows ≥ n_train are held out."""
+    """The windows and, unless a live teacher gives the targets, the teacher's top-k for every window;
+    rows ≥ n_train are held out."""
 
     tokens: np.ndarray  # [N, window] int32
-    t_ids: np.ndarray  # [N, window, k] int32
-    t_logp: np.ndarray  # [N, window, k] float16
     n_train: int
+    t_ids: np.ndarray | None = None  # [N, window, k] int32
+    t_logp: np.ndarray | None = None  # [N, window, k] float16
 
     @classmethod
     def from_files(cls, windows: Path, topk: list[Path], vocab: int) -> "Targets":
-        """Both checked on reading (`nvg/artifacts.py`): content hash, lineage, ranges, finiteness."""
+        """Both checked on reading (`nvg/artifacts.py`): content hash, lineage, ranges, finiteness.
+        No `topk` files: the windows alone, for a live teacher."""
         tokens, attrs = read_windows(windows, vocab)
+        if not topk:
+            return cls(tokens, int(attrs["n_train"]))
         t_ids, t_logp = read_topk(topk, attrs, len(tokens), vocab)
-        return cls(tokens, t_ids, t_logp, int(attrs["n_train"]))
+        return cls(tokens, int(attrs["n_train"]), t_ids, t_logp)
 
 
 class Distiller:
     """The student and its targets: loss, one optimizer step, held-out KL and snapshots."""
 
     def __init__(self, model, targets: Targets, device, *, batch: int, precision: str, tail: bool = False,
-                 recompute_every: int = 0, group: Group = Group()):
+                 recompute_every: int = 0, group: Group = Group(), teacher=None, hidden_weight: float = 0.0):
         self.model, self.targets, self.device, self.group = model, targets, device, group
         self.batch_size, self.precision, self.tail = batch, precision, tail
+        self.teacher, self.hidden_weight = teacher, hidden_weight  # a live teacher: see the module docstring
         self.params = trainable(model)
         # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
         self.recompute_every = recompute_every if device.type == "cuda" else 0
         self.modes: list = []  # training modes, see the module docstring
 
-    def batch(self, rows):
-        t = self.targets
-        pick = lambda a: torch.from_numpy(a[rows]).to(self.device)  # noqa: E731
-        return pick(t.tokens), pick(t.t_ids), pick(t.t_logp)
-
     def loss(self, rows) -> torch.Tensor:
-        """Mean per-token KL over `rows`."""
-        ids, t_ids, t_logp = self.batch(rows)
+        """Mean per-token loss over `rows`: the KL, plus the hidden-state term when training against a
+        live teacher (the held-out evaluation, without gradient, is the KL alone)."""
+        pick = lambda a: torch.from_numpy(a[rows]).to(self.device)  # noqa: E731
+        ids = pick(self.targets.tokens)
+        training = torch.is_grad_enabled()
+        recompute = self.recompute_every if training else 0
         with autocast(self.device, self.precision):
-            hidden = self.model.hidden(ids, self.recompute_every if torch.is_grad_enabled() else 0)
-            return topk_kl(hidden, self.model.head_weight, t_ids, t_logp, self.tail) / ids.numel()
+            if self.teacher is None:
+                hidden = self.model.hidden(ids, recompute)
+                return topk_kl(hidden, self.model.head_weight, pick(self.targets.t_ids), pick(self.targets.t_logp),
+                               self.tail) / ids.numel()
+            layers = training and self.hidden_weight > 0
+            with torch.no_grad():
+                t_res = self.teacher.residuals(ids) if layers else [None]
+                t_hidden = self.teacher.model.norm(t_res[-1]) if layers else self.teacher.hidden(ids)
+            res = self.model.residuals(ids, recompute)
+            loss = full_kl(self.model.model.norm(res[-1]), self.model.head_weight, t_hidden, self.teacher.head_weight)
+            loss = loss / ids.numel()
+            return loss + self.hidden_weight * hidden_mse(res, t_res) if layers else loss
 
     def step(self, rows, opt, lr_factor: float, gscale: float, *, lr: float, clip: float) -> dict:
         """Forward and backward on this process's share of `rows`, gradients averaged over processes,

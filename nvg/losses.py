@@ -1,4 +1,5 @@
-"""LM-head work in token chunks: top-k log-probs, KL to a cached top-k, perplexity.
+"""LM-head work in token chunks: top-k log-probs, KL to a cached top-k or a live teacher, perplexity;
+the per-layer hidden-state loss.
 
 A [batch, window, vocab] float32 tensor never exists: each chunk of hidden states is projected to
 float32 logits, reduced (log-sum-exp, top-k, gather) and dropped. In training each chunk runs under
@@ -100,6 +101,39 @@ def topk_kl(hidden, head, t_ids, t_logp, tail: bool = False, chunk: int = DEFAUL
             total = total + checkpoint(block, *args, use_reentrant=False)
         else:
             total = total + block(*args)
+    return total
+
+
+def _full_kl_block(h, head, t_h, t_head):
+    log_ps = torch.log_softmax(_logits(h, head), -1)
+    log_pt = torch.log_softmax(_logits(t_h, t_head), -1)
+    return (log_pt.exp() * (log_pt - log_ps)).sum()
+
+
+def full_kl(hidden, head, t_hidden, t_head, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Sum over tokens of KL(teacher ‖ student) over the whole vocabulary, from both models' final
+    hidden states (the live teacher's, without gradient); differentiable, chunked with checkpointing:
+    backward recomputes both chunks' logits instead of keeping two [tokens, vocab] float32 blocks."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t_h = t_hidden.reshape(-1, t_hidden.shape[-1]).detach()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    block = _on_device(_full_kl_block, h)
+    for s in range(0, h.shape[0], chunk):
+        args = (h[s : s + chunk], head, t_h[s : s + chunk], t_head)
+        if torch.is_grad_enabled() and (h.requires_grad or head.requires_grad):
+            total = total + checkpoint(block, *args, use_reentrant=False)
+        else:
+            total = total + block(*args)
+    return total
+
+
+def hidden_mse(residuals, t_residuals) -> torch.Tensor:
+    """Σ over layers of the mean over tokens of ‖ĥ_s − ĥ_t‖², ĥ = h/‖h‖ (OneBit's per-layer loss on
+    L2-normalised hidden states: scale-free, so no outlier dimension or deep layer dominates)."""
+    total = residuals[0].new_zeros((), dtype=torch.float32)
+    for s, t in zip(residuals, t_residuals, strict=True):
+        s, t = F.normalize(s.float(), dim=-1), F.normalize(t.float(), dim=-1)
+        total = total + (s - t).pow(2).sum(-1).mean()
     return total
 
 

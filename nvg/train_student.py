@@ -32,6 +32,7 @@ from typing import Callable, ClassVar
 import torch
 
 from nvg import distributed
+from nvg.artifacts import teacher_hash
 from nvg.atomic import atomic_path
 from nvg.cmf import BLR, F16, CmfFile, Tensor, dense_tensor, read_verified, write_cmf
 from nvg.distill import Distiller, Targets, lr_shape
@@ -55,6 +56,8 @@ class TrainSettings:
     eval_every: int
     state_every: int
     stop_after: int | None
+    targets: str
+    hidden_weight: float
     tail: bool
     precision: str
     seed: int
@@ -66,6 +69,9 @@ class TrainSettings:
 
     def __post_init__(self):
         check(self.batch % self.gpus == 0, "train", "gpus", f"must divide train.batch {self.batch}, got {self.gpus}")
+        check(self.targets == "live" or self.hidden_weight == 0, "train", "hidden_weight",
+              f"needs targets: live (the cached top-k has no hidden states), got {self.hidden_weight}")
+        check(self.targets == "topk" or not self.tail, "train", "tail", "applies to targets: topk only (live targets have the whole vocabulary)")
 
 
 def state_key(inputs: list[Path], settings: TrainSettings) -> str:
@@ -151,19 +157,39 @@ class Run:
     say: Callable
 
 
-def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings) -> Run:
-    """The student on its device, its targets, the optimizer, the training modes, and the run state:
-    resumed from `state_root` when a state for these inputs and settings exists."""
+def live_teacher(teacher: Path, student: CmfFile, device):
+    """The teacher as a frozen model beside the student, after checking that the student was encoded
+    from it (the teacher hash the encoder recorded) and has its shape."""
+    t_cmf = read_verified(teacher)
+    recorded = student.header.get("provenance", {}).get("nvg_encode", {}).get("teacher_hash")
+    if recorded is not None and recorded != teacher_hash(t_cmf):
+        raise NvgError(f"{teacher}: teacher_hash {teacher_hash(t_cmf)} is not the one {student.path} was encoded from ({recorded})")
+    for key in ("vocab_size", "hidden_size", "num_layers"):
+        if t_cmf.arch.get(key) != student.arch.get(key):
+            raise NvgError(f"{teacher}: arch.{key} {t_cmf.arch.get(key)} differs from the student's {student.arch.get(key)}")
+    model = compile_blocks(load_model(t_cmf, device))
+    model.requires_grad_(False)
+    return model
+
+
+def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teacher: Path | None = None) -> Run:
+    """The student on its device, its targets (the top-k files, or the live `teacher`), the optimizer,
+    the training modes, and the run state: resumed from `state_root` when a state for these inputs and
+    settings exists."""
     torch.manual_seed(s.seed)
     group = distributed.start(pick_device(s.device))
     say = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if group.main else (lambda *a, **k: None)  # noqa: E731
     if group.world != s.gpus:
         raise NvgError(f"config train.gpus: {s.gpus}, but {group.world} processes were started (torchrun --nproc_per_node)")
     s_cmf = read_verified(student)
+    live = s.targets == "live"
+    if live != (teacher is not None) or live == bool(topk):
+        raise NvgError(f"config train.targets: {s.targets} needs {'--teacher and no --topk' if live else '--topk files and no --teacher'}")
     targets = Targets.from_files(windows, topk, s_cmf.arch["vocab_size"])
     device = group.device(pick_device(s.device))
     d = Distiller(compile_blocks(load_model(s_cmf, device)), targets, device, batch=s.batch, precision=s.precision,
-                  tail=s.tail, recompute_every=s.recompute_every, group=group)
+                  tail=s.tail, recompute_every=s.recompute_every, group=group,
+                  teacher=live_teacher(teacher, s_cmf, device) if live else None, hidden_weight=s.hidden_weight)
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
     n_batches = targets.n_train // s.batch
@@ -175,7 +201,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings) -> R
         d.modes.append(SignTrainer(d.model, s.signs, total, group))
     for mode in d.modes:
         say(mode.describe())
-    state_file = Path(s.state_root) / state_key([student, windows, *topk], s) / "state.safetensors"
+    state_file = Path(s.state_root) / state_key([student, windows, *topk, *([teacher] if live else [])], s) / "state.safetensors"
     if state_file.exists():
         st = RunState.load(state_file, d, opt)
         say(f"train_student: resumed {state_file} at step {st.done} (epoch {st.epoch}, batch {st.pos})")
@@ -285,7 +311,8 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
     if run.group.main:
         export_student(run.student, d.model, out, {
             "teacher": teacher_name, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
-            "lr": s.lr, "topk": int(d.targets.t_ids.shape[-1]), "steps": st.done, "best_step": st.best_step,
+            "lr": s.lr, "targets": s.targets, "steps": st.done,
+            **({"hidden_weight": s.hidden_weight} if s.targets == "live" else {"topk": int(d.targets.t_ids.shape[-1])}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,
             "tail": s.tail, "precision": s.precision, "processes": run.group.world, "evals": st.evals,
             **{mode.name: mode.provenance() for mode in d.modes},
@@ -298,8 +325,8 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
 
 
 def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out: Path, metrics: Path,
-         settings: TrainSettings) -> None:
-    run = setup(student, windows, topk, settings)
+         settings: TrainSettings, teacher: Path | None = None) -> None:
+    run = setup(student, windows, topk, settings, teacher)
     fit(run)
     finish(run, teacher_name, out, metrics)
 
@@ -309,13 +336,14 @@ def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg train-student", description=__doc__.splitlines()[0])
     ap.add_argument("--student", required=True, type=Path)
     ap.add_argument("--windows", required=True, type=Path)
-    ap.add_argument("--topk", required=True, type=Path, nargs="+")
-    ap.add_argument("--teacher-name", default="teacher.cmf")
+    ap.add_argument("--topk", type=Path, nargs="+", default=[], help="the cached targets (train.targets: topk)")
+    ap.add_argument("--teacher", type=Path, help="the teacher CMF, run live (train.targets: live)")
+    ap.add_argument("--teacher-name", default="teacher.cmf", help="the teacher as recorded in the provenance")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--metrics", required=True, type=Path)
     ap.add_argument("--settings", required=True)
     a = ap.parse_args(argv)
-    main(a.student, a.windows, a.topk, a.teacher_name, a.out, a.metrics, load(TrainSettings, a.settings))
+    main(a.student, a.windows, a.topk, a.teacher_name, a.out, a.metrics, load(TrainSettings, a.settings), a.teacher)
 
 
 if __name__ == "__main__":

@@ -124,11 +124,12 @@ def tiny_stages(tiny_cmf, tiny_corpus, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stage_inputs(tiny_stages, tmp_path_factory):
-    """A private copy of the stage outputs: these tests write their runs beside them."""
+def stage_inputs(tiny_cmf, tiny_stages, tmp_path_factory):
+    """A private copy of the stage outputs and the teacher: these tests write their runs beside them."""
     d = tmp_path_factory.mktemp("train")
     for name in ("windows.h5", "topk.0.h5", "student.cmf"):
         shutil.copy(tiny_stages / name, d / name)
+    shutil.copy(tiny_cmf, d / "teacher.cmf")
     return d
 
 
@@ -140,7 +141,9 @@ def train(d, name, **kw):
 
     s = load(TrainSettings, **{"epochs": 2, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2,
                          "state_root": str(d / f"state-{name}"), **kw})
-    main(d / "student.cmf", d / "windows.h5", [d / "topk.0.h5"], "tiny", d / f"{name}.cmf", d / f"{name}.jsonl", s)
+    live = s.targets == "live"  # the live teacher is the tiny teacher's CMF copied beside the stage outputs
+    main(d / "student.cmf", d / "windows.h5", [] if live else [d / "topk.0.h5"], "tiny", d / f"{name}.cmf",
+         d / f"{name}.jsonl", s, d / "teacher.cmf" if live else None)
     return read_cmf(d / f"{name}.cmf")
 
 

@@ -118,6 +118,48 @@ def test_two_processes_under_torchrun_match_one(stage_inputs):
                 assert torch.allclose(torch.from_numpy(va), torch.from_numpy(vb), rtol=2e-3, atol=1e-4), name
 
 
+def test_a_live_teacher_gives_full_vocabulary_and_hidden_state_targets(stage_inputs):
+    out = train(stage_inputs, "live", targets="live", hidden_weight=1.0)
+    block = out.header["provenance"]["nvg_train"]
+    assert block["targets"] == "live" and block["hidden_weight"] == 1.0 and "topk" not in block
+    assert block["heldout_kl_best"] < block["heldout_kl_start"]
+    lines = [json.loads(x) for x in (stage_inputs / "live.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if "loss" in x]
+    evals = [x["heldout_kl"] for x in lines if "heldout_kl" in x]
+    # the training loss carries the hidden-state term; the held-out KL is the KL alone
+    assert losses[0] > evals[0] > 0
+
+
+def test_the_full_kl_is_the_exact_kl_and_the_hidden_loss_is_scale_free():
+    from nvg.losses import full_kl, hidden_mse
+
+    torch.manual_seed(0)
+    hidden, t_hidden, head = torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.randn(40, 8)
+    exact = torch.nn.functional.kl_div((hidden @ head.T).log_softmax(-1), (t_hidden @ head.T).log_softmax(-1),
+                                       log_target=True, reduction="sum")
+    assert full_kl(hidden, head, t_hidden, head, chunk=3) == pytest.approx(float(exact), rel=1e-5)
+    assert float(full_kl(t_hidden, head, t_hidden, head)) == pytest.approx(0.0, abs=1e-5)
+    layers = [torch.randn(2, 5, 8) for _ in range(3)]
+    assert float(hidden_mse(layers, [3.0 * x for x in layers])) == pytest.approx(0.0, abs=1e-6)
+    assert float(hidden_mse(layers, [-x for x in layers])) == pytest.approx(3 * 4.0, rel=1e-5)
+
+
+def test_a_live_teacher_the_student_was_not_encoded_from_is_refused(stage_inputs, tmp_path):
+    from nvg.cmf import write_cmf
+
+    student = read_cmf(stage_inputs / "student.cmf")
+    header = json.loads(json.dumps(student.header))
+    header["provenance"]["nvg_encode"]["teacher_hash"] = "0123456789abcdef"
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("windows.h5", "teacher.cmf"):
+        os.symlink(stage_inputs / name, other / name)
+    write_cmf(other / "student.cmf", header, list(student.tensors.values()), student.vocab)
+    with pytest.raises(NvgError, match=r"teacher.cmf: teacher_hash [0-9a-f]{16} is not the one .*student.cmf was encoded from \(0123456789abcdef\)"):
+        train(other, "wrong", targets="live")
+    assert not (other / "wrong.cmf").exists()
+
+
 @pytest.mark.parametrize("text, message", [
     ('{"lr": 0}', "train.lr: 0 is less than or equal to the minimum of 0"),
     ('{"gpus": 3}', "train.gpus: must divide train.batch 4, got 3"),
@@ -126,6 +168,8 @@ def test_two_processes_under_torchrun_match_one(stage_inputs):
     ('{"stop_after": 0}', "train.stop_after: 0 is less than the minimum of 1"),
     ('{"signs": {"tau": 0}}', "train.signs.tau: 0 is less than or equal to the minimum of 0"),
     ('{"signz": {}}', "train.signz: unknown key"),
+    ('{"hidden_weight": 1.0}', "train.hidden_weight: needs targets: live"),
+    ('{"targets": "live", "tail": true}', "train.tail: applies to targets: topk only"),
 ])
 def test_bad_settings(text, message):
     with pytest.raises(NvgError, match=message):

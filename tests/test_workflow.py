@@ -60,6 +60,7 @@ def test_nothing_changed_runs_nothing(finished_run):
 
 @pytest.mark.parametrize("change, expected", [
     (("train", "lr", 0.004), {"train_student", "export", "evaluate", "report"}),
+    (("train", "targets", "live"), {"train_student", "export", "evaluate", "report"}),
     (("teacher_topk", "k", 6), {"teacher_topk", "dtgma_cut", "train_student", "export", "evaluate", "report"}),
     (("encode", "bpw", 1.5), {"budget_reencode", "dtgma_cut", "train_student", "export", "evaluate", "report"}),
     (("evaluate", "batch", 4), {"evaluate", "report"}),
@@ -157,17 +158,17 @@ def test_editing_a_module_reruns_exactly_the_stages_that_run_it(finished_run):
     assert planned_jobs(workdir, config) == set()
 
 
-def test_a_real_rerun_after_changing_the_learning_rate(finished_run):
+def test_a_real_rerun_with_a_live_teacher_and_another_learning_rate(finished_run):
     workdir, config = finished_run
     changed = copy.deepcopy(config)
-    changed["train"]["lr"] = 0.003
+    changed["train"].update(lr=0.003, targets="live", hidden_weight=0.5)
     before = (workdir / "results/student/encoded.cmf").stat().st_mtime_ns
     out = snakemake(workdir, changed)
     ran = set(re.findall(r"rule (\w+):", out.stdout + out.stderr)) - {"all"}
     assert ran == {"train_student", "export", "evaluate", "report"}
     assert (workdir / "results/student/encoded.cmf").stat().st_mtime_ns == before
     prov = read_cmf(workdir / "results/model.cmf").header["provenance"]
-    assert prov["nvg_train"]["lr"] == 0.003
+    assert prov["nvg_train"]["lr"] == 0.003 and prov["nvg_train"]["targets"] == "live"
     assert planned_jobs(workdir, changed) == set()
 
 

@@ -75,6 +75,20 @@ def topk_shards():
     return expand("results/teacher/topk.{shard}.h5", shard=range(config["teacher_topk"]["shards"]))
 
 
+def training_targets():
+    """train_student's targets: the cached top-k shards, or the teacher itself when it runs live."""
+    if config["train"]["targets"] == "live":
+        return {"teacher": "results/teacher.cmf"}
+    return {"topk": topk_shards()}
+
+
+def targets_args(wildcards, input):
+    """The command-line options naming `training_targets()`."""
+    if "teacher" in input.keys():
+        return f"--teacher {shlex.quote(input.teacher)}"
+    return "--topk " + " ".join(shlex.quote(p) for p in input.topk)
+
+
 def student_for_training():
     """The DTG-MA cut student when `dtgma.keep` is set, else the encoded one."""
     if config["dtgma"]["keep"] is not None:

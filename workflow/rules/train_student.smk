@@ -4,7 +4,7 @@ rule train_student:
     input:
         student=student_for_training(),
         windows="results/data/windows.h5",
-        topk=topk_shards(),
+        **training_targets(),
         code=nvg_sources("train_student"),
     output:
         cmf="results/train/trained.cmf",
@@ -19,12 +19,13 @@ rule train_student:
         settings=settings("train"),
         teacher=config["teacher"],
         launcher=train_launcher(),
+        targets=targets_args,
     threads: 2
     resources:
         gpu=config["train"]["gpus"],
         mem_mb=32000,
         runtime=lambda wildcards, attempt: 240 * attempt,
     shell:
-        "{params.launcher} -m nvg.train_student --student {input.student} --windows {input.windows} --topk {input.topk} "
+        "{params.launcher} -m nvg.train_student --student {input.student} --windows {input.windows} {params.targets} "
         "--teacher-name {params.teacher:q} --out {output.cmf} --metrics {output.metrics} "
         "--settings {params.settings:q} > {log} 2>&1"
