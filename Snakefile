@@ -23,6 +23,10 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 
 
+onerror:
+    report_step_errors()
+
+
 rule all:
     input:
         "results/model.cmf",

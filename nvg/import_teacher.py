@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from nvg import __version__
-from nvg.cmf import BF16, F16, ARCH_DEFAULTS, dense_tensor, read_cmf, tensor_to_numpy, write_cmf
+from nvg.cmf import (BF16, F16, FEATURE_BINARY_MASKS, FEATURE_LOOP_MASKS, ARCH_DEFAULTS, dense_tensor, read_cmf,
+                     tensor_to_numpy, write_cmf)
 from nvg.errors import NvgError, exits_cleanly
 from nvg.sources import resolve_path
 
@@ -185,7 +186,13 @@ def load_cmf_teacher(path: Path) -> TeacherSource:
     cmf = read_cmf(path)
     if not cmf.vocab:
         raise NvgError(f"{path}: vocab section is empty (the teacher needs an embedded tokenizer.json)")
-    tensors = {n: tensor_to_numpy(t) for n, t in cmf.tensors.items()}
+    if masks := cmf.features & (FEATURE_BINARY_MASKS | FEATURE_LOOP_MASKS):
+        raise NvgError(f"{path}: required_features {cmf.features:#x}: DTG-MA mask sections ({masks:#x}) are not "
+                       "supported in a teacher (its computation would change without them)")
+    try:
+        tensors = {n: tensor_to_numpy(t) for n, t in cmf.tensors.items()}
+    except NvgError as e:
+        raise NvgError(f"{path}: {e}") from None
     return TeacherSource(cmf.arch, tensors, cmf.vocab, cmf.header.get("tokenizer_config", {}))
 
 

@@ -41,6 +41,12 @@ class TopkSettings:
 def main(teacher: Path, windows: Path, shard: int, out: Path, settings: TopkSettings) -> None:
     cmf = read_verified(teacher)
     tokens, w_attrs = read_windows(windows, cmf.arch["vocab_size"])
+    vocab = cmf.arch["vocab_size"]
+    if settings.k > vocab:
+        raise NvgError(f"config teacher_topk.k: {settings.k} exceeds the teacher's vocabulary of {vocab} ({teacher})")
+    if settings.shards > len(tokens):
+        raise NvgError(f"config teacher_topk.shards: {settings.shards} shards for the {len(tokens)} windows of {windows} "
+                       f"leaves shard {len(tokens)} empty")
     rows = shard_rows(len(tokens), shard, settings.shards)
     device = pick_device(settings.device)
     model = load_model(cmf, device)

@@ -98,3 +98,26 @@ def test_a_window_as_long_as_the_positions_is_full_attention_and_accepted(tiny_h
     (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral", "sliding_window": 256}))
     import_teacher.main(str(folder), tmp_path / "teacher.cmf", "f16")
     assert read_cmf(tmp_path / "teacher.cmf").arch["arch_name"] == "mistral"
+
+
+def test_a_cmf_teacher_with_mask_sections_or_unreadable_weights_is_refused(tiny_cmf, tmp_path, capsys):
+    import struct
+
+    from nvg.cmf import Tensor, read_cmf, write_cmf
+
+    raw = bytearray(tiny_cmf.read_bytes())
+    struct.pack_into("<I", raw, 12, struct.unpack_from("<I", raw, 12)[0] | 0x2)  # feature bit 1: binary masks
+    masked = tmp_path / "masked.cmf"
+    masked.write_bytes(bytes(raw))
+    out = tmp_path / "teacher.cmf"
+    fails_cleanly(import_teacher.cli, ["--source", masked, "--out", out], capsys, str(masked),
+                  "required_features 0x3: DTG-MA mask sections (0x2) are not supported in a teacher", [out])
+
+    cmf = read_cmf(tiny_cmf)
+    tensors = list(cmf.tensors.values())
+    name = "model.layers.0.mlp.up_proj.weight"
+    vbit = [Tensor(t.name, 8, t.shape, t.data) if t.name == name else t for t in tensors]
+    foreign = tmp_path / "vbit.cmf"
+    write_cmf(foreign, cmf.header, vbit, cmf.vocab)
+    fails_cleanly(import_teacher.cli, ["--source", foreign, "--out", out], capsys, str(foreign),
+                  f"tensor '{name}': dtype vbit cannot be read as weights", [out])

@@ -201,6 +201,20 @@ def test_bad_config_stops_snakemake_with_one_line(tmp_path):
     assert "Traceback" not in out.stderr and not (tmp_path / "results").exists()
 
 
+def test_a_failing_stage_shows_its_error_line_in_the_terminal(tiny_hf, tiny_corpus, tmp_path):
+    from tests.conftest import tiny_config
+
+    config = tiny_config(tiny_hf, tiny_corpus)
+    config["data"]["sources"] = config["data"]["sources"][:1]
+    config["teacher_topk"]["k"] = 400
+    out = snakemake(tmp_path, config, "results/teacher/topk.0.h5", check=False)
+    assert out.returncode != 0
+    shown = [line for line in out.stderr.splitlines() if "nvg: error:" in line]
+    assert shown and all(line.startswith("logs/teacher_topk.") for line in shown), out.stderr[-3000:]
+    assert "config teacher_topk.k: 400 exceeds the teacher's vocabulary of 300" in shown[0]
+    assert not list((tmp_path / "results/teacher").glob("topk.*"))
+
+
 # ---------------------------------------------------------------- lineage ------------------------------------------
 # Intermediates changed after they were written, or taken from another run: refused before training,
 # in one line naming the file (each of these trained silently before, and the result passed `nvg verify`).

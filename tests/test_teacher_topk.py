@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import h5py
 import numpy as np
-import torch
-
 import pytest
+import torch
 
 from nvg.losses import topk_kl, topk_last, topk_logprobs
 from nvg.artifacts import read_topk, read_windows
-from nvg.teacher_topk import TopkSettings, main
+from nvg.teacher_topk import TopkSettings, cli, main
 from nvg.tokenize_windows import WindowSettings, main as make_windows
 from nvg.settings import load
+from tests.conftest import fails_cleanly
 
 
 def test_chunked_topk_equals_full_log_softmax():
@@ -73,3 +75,15 @@ def test_shards_cover_every_window(tiny_cmf, tiny_corpus, tmp_path):
     mass = np.exp(logp.astype(np.float64)).sum(-1)
     assert (mass <= 1.0 + 1e-3).all() and (mass > 0).all()
     assert (np.diff(logp.astype(np.float32), axis=-1) <= 1e-3).all()  # sorted, best first
+
+
+@pytest.mark.parametrize("settings, problem", [
+    ({"k": 301}, "config teacher_topk.k: 301 exceeds the teacher's vocabulary of 300"),
+    ({"shards": 25}, "config teacher_topk.shards: 25 shards for the 20 windows of"),
+])
+def test_settings_the_inputs_cannot_meet_fail_in_one_line(tiny_cmf, tiny_corpus, tmp_path, capsys, settings, problem):
+    make_windows(tiny_cmf, tmp_path / "w.h5", load(WindowSettings, sources=[{"path": str(tiny_corpus / "story.txt")}],
+                                                            tokens=512, window=32, eval_windows=4))
+    text = json.dumps({"k": 8, "shards": 1, **settings})
+    fails_cleanly(cli, ["--teacher", tiny_cmf, "--windows", tmp_path / "w.h5", "--shard", 0, "--out", tmp_path / "t.h5",
+                        "--settings", text], capsys, problem.split(":")[0], problem, [tmp_path / "t.h5"])

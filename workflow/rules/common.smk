@@ -4,6 +4,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from snakemake.utils import validate
@@ -19,6 +20,17 @@ if problem := config_error(config, SCHEMA_PATH, workflow.configfiles):
 validate(config, schema=str(SCHEMA_PATH))
 
 NVG = Path(workflow.basedir) / "nvg"
+STARTED = time.time()
+
+
+def report_step_errors():
+    """On failure: the `nvg: error:` line of every job log this run wrote, in the terminal, where
+    Snakemake itself only says "check log file(s)"."""
+    for log in sorted(Path("logs").rglob("*.log")):
+        if log.stat().st_mtime >= STARTED:
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("nvg: error:"):
+                    sys.stderr.write(f"{log}: {line}\n")
 
 
 def settings(block, **extra):

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The quality ablation of docs/quality.md through the real workflow on a GPU machine, after
+# ../shared/tools/stage-teacher-for-device's three calls (snakemake and the wheels under /root).
+#   bash bench/ablation.sh prefix              the stages every variant shares (teacher → generated corpus →
+#                                              windows → top-k → Grams → encoded student), here, on GPU 0
+#   bash bench/ablation.sh run NAME[:GPU] ...  each variant (bench/ablation/NAME.yaml over base.yaml) in its
+#                                              own copy of this checkout with those results, one per GPU, in
+#                                              parallel; then its eval.json, metrics, logs and stage times to $OUT
+# A variant's copy stays under /root/ablation/NAME while the machine is warm: run it again to resume a
+# killed training (train_student's saved state) or to reuse what it finished.
+set -euo pipefail
+export PYTHONPATH=/root/site:/root/smk:$PWD PATH=/root/smk/bin:$PATH PYTHONUNBUFFERED=1
+BASE=bench/ablation/base.yaml
+case $1 in
+prefix)
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  python -c "import torch, transformers, snakemake; print('torch', torch.__version__, 'transformers', transformers.__version__, 'snakemake', snakemake.__version__)" | tee -a "$OUT/gpu.txt"
+  CUDA_VISIBLE_DEVICES=0 snakemake --cores 16 --configfile $BASE --quiet rules \
+    results/student/encoded.cmf results/teacher/topk.0.h5 2>&1 | tail -20
+  tar czf "$OUT/prefix.tgz" logs benchmarks
+  ;;
+run)
+  shift
+  for spec in "$@"; do
+    name=${spec%%:*}; gpu=${spec#*:}; [[ $gpu == "$spec" ]] && gpu=0
+    dir=/root/ablation/$name
+    [[ -d $dir ]] || { mkdir -p /root/ablation && cp -a "$PWD" "$dir"; }
+    ( cd "$dir" && start=$(date +%s) &&
+      CUDA_VISIBLE_DEVICES=$gpu snakemake --cores 8 --configfile $BASE "bench/ablation/$name.yaml" --quiet rules \
+        results/model.cmf results/eval.json > "$dir/snakemake.log" 2>&1;
+      echo "$name: exit $? after $(( $(date +%s) - start )) s" >> "$dir/snakemake.log"
+      tar czf "$OUT/$name.tgz" snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl 2>/dev/null || true ) &
+  done
+  wait
+  for spec in "$@"; do tail -1 "/root/ablation/${spec%%:*}/snakemake.log"; done
+  ;;
+esac
