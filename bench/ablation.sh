@@ -15,8 +15,8 @@ case $1 in
 prefix)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   python -c "import torch, transformers, snakemake; print('torch', torch.__version__, 'transformers', transformers.__version__, 'snakemake', snakemake.__version__)" | tee -a "$OUT/gpu.txt"
-  CUDA_VISIBLE_DEVICES=0 snakemake --cores 16 --configfile $BASE --quiet rules \
-    results/student/encoded.cmf results/teacher/topk.0.h5 2>&1 | tail -20
+  CUDA_VISIBLE_DEVICES=0 snakemake --cores 16 results/student/encoded.cmf results/teacher/topk.0.h5 \
+    --quiet rules --configfile $BASE 2>&1 | tail -20
   tar czf "$OUT/prefix.tgz" logs benchmarks
   ;;
 run)
@@ -26,8 +26,8 @@ run)
     dir=/root/ablation/$name
     [[ -d $dir ]] || { mkdir -p /root/ablation && cp -a "$PWD" "$dir"; }
     ( cd "$dir" && start=$(date +%s) &&
-      CUDA_VISIBLE_DEVICES=$gpu snakemake --cores 8 --configfile $BASE "bench/ablation/$name.yaml" --quiet rules \
-        results/model.cmf results/eval.json > "$dir/snakemake.log" 2>&1;
+      CUDA_VISIBLE_DEVICES=$gpu snakemake --cores 8 results/model.cmf results/eval.json --quiet rules \
+        --configfile $BASE "bench/ablation/$name.yaml" > "$dir/snakemake.log" 2>&1;
       echo "$name: exit $? after $(( $(date +%s) - start )) s" >> "$dir/snakemake.log"
       tar czf "$OUT/$name.tgz" snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl 2>/dev/null || true ) &
   done
