@@ -25,7 +25,7 @@ run)
     name=${spec%%:*}; gpu=${spec#*:}; [[ $gpu == "$spec" ]] && gpu=0
     dir=/root/ablation/$name
     [[ -d $dir ]] || { mkdir -p /root/ablation && cp -a "$PWD" "$dir"; }
-    ( cd "$dir" && start=$(date +%s) &&
+    ( set +e; cd "$dir"; start=$(date +%s)
       CUDA_VISIBLE_DEVICES=$gpu snakemake --cores 8 results/model.cmf results/eval.json --quiet rules \
         --configfile $BASE "bench/ablation/$name.yaml" > "$dir/snakemake.log" 2>&1;
       echo "$name: exit $? after $(( $(date +%s) - start )) s" >> "$dir/snakemake.log"

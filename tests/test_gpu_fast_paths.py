@@ -10,6 +10,7 @@ import torch
 
 from nvg import encoder as enc
 from nvg import sign_sweep
+from nvg.settings import load
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compares CUDA fast paths; needs a GPU")
 
@@ -173,13 +174,15 @@ def test_live_teacher_training_on_cuda_matches_the_cpu(stage_inputs):
     np.testing.assert_allclose(kl["cuda"], kl["cpu"], rtol=1e-3)
 
 
-def test_greedy_decoding_on_cuda_matches_the_cpu(tiny_cmf):
+def test_greedy_decoding_on_cuda_matches_the_cpu(tiny_cmf, monkeypatch):
     """The compiled, graph-captured decoding step (KV buckets, in-graph argmax) continues greedily
-    exactly as the eager CPU model does, across a KV bucket boundary."""
-    from nvg.decoding import KV_BUCKET, Decoder
+    exactly as the eager CPU model does, across KV bucket boundaries (64 tokens each here)."""
+    from nvg import decoding
+    from nvg.decoding import Decoder
     from nvg.model import load_model
 
-    steps = KV_BUCKET + 8
+    monkeypatch.setattr(decoding, "KV_BUCKET", 64)
+    steps = 200
     runs = {}
     for device in ("cpu", "cuda"):
         dev = torch.device(device)
