@@ -90,7 +90,7 @@ class TopkShardWriter:
 @contextlib.contextmanager
 def topk_shard(out, rows: np.ndarray, window: int, k: int, attrs: dict):
     """Yield a `TopkShardWriter` for `rows`; on success check shapes and finiteness, then rename."""
-    with atomic_path(out) as tmp:
+    with atomic_path(out, len(rows) * window * k * 6) as tmp:  # int32 ids + float16 log-probs
         with h5py.File(tmp, "w") as f:
             writer = TopkShardWriter(f, len(rows), window, k)
             f.create_dataset("rows", data=rows)

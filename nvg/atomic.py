@@ -6,14 +6,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
+
+from nvg.errors import NvgError
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike):
-    """Yield a temporary path beside `path`; on success rename it to `path`, on failure remove it."""
+def atomic_path(path: str | os.PathLike, nbytes: int = 0):
+    """Yield a temporary path beside `path`; on success rename it to `path`, on failure remove it.
+    `nbytes`: what the file will take, checked against the free space first (one clear error line
+    instead of a write that fails halfway)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path.parent).free
+    if nbytes > free:
+        raise NvgError(f"{path}: needs {nbytes:,} bytes, only {free:,} are free on its filesystem")
     for stale in path.parent.glob(f".{path.name}.tmp*"):  # left by a killed run; one writer per output
         stale.unlink()
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

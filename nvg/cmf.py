@@ -4,10 +4,15 @@ Layout of a fresh write: 128-byte envelope | header JSON | tensor directory | ze
 data blob (tensors at 64, payloads >= 16 KiB at 4096) | vocab (tokenizer.json bytes).
 Every structural check of cortiq.md §1.10 is a hard `NvgError` naming the file, the field and the
 offset; hashes are checked by `verify`, not on open (as cortiq does).
+
+Beside cortiq's hash64 (kept for compatibility; it is blind to the order of 8-byte words, so two
+swapped rows pass it), every file nvg writes records BLAKE2b-128 digests of each tensor's payload, of
+the directory and of the vocab section under the header key `nvg_blake2b`; `verify` checks both.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -255,6 +260,8 @@ def cmf_bytes(header: dict, tensors: list[Tensor], vocab: bytes | None = None) -
         entries.append((t, cursor))
         blob += bytes(t.data)
     directory = encode_directory(entries)
+    header["nvg_blake2b"] = {"directory": blake2b(directory), "vocab": blake2b(vocab) if vocab else None,
+                             "tensors": {t.name: blake2b(t.data) for t in tensors}}
     header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     features = FEATURE_TENSOR_DIR
     if any(t.dtype in (8, Q8_2F) for t in tensors):
@@ -274,8 +281,9 @@ def cmf_bytes(header: dict, tensors: list[Tensor], vocab: bytes | None = None) -
 
 
 def write_cmf(path, header: dict, tensors: list[Tensor], vocab: bytes | None = None) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(cmf_bytes(header, tensors, vocab))
+    raw = cmf_bytes(header, tensors, vocab)
+    with atomic_path(path, len(raw)) as tmp:
+        tmp.write_bytes(raw)
 
 
 def write_cmf_shards(first_path, header: dict, tensors: list[Tensor], vocab: bytes | None, count: int) -> list[Path]:
@@ -295,8 +303,33 @@ def write_cmf_shards(first_path, header: dict, tensors: list[Tensor], vocab: byt
     return paths
 
 
+def blake2b(data) -> str:
+    """The strong digest nvg records beside hash64: BLAKE2b-128, hex."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _verify_strong(f: Path, one: CmfFile, raw: bytes, d_off: int, d_len: int, v_off: int, v_len: int) -> list[str]:
+    """The `nvg_blake2b` digests, when the file has them (cortiq's own files do not)."""
+    strong = one.header.get("nvg_blake2b")
+    if strong is None:
+        return []
+    problems = []
+    if strong.get("directory") != blake2b(raw[d_off : d_off + d_len]):
+        problems.append(f"{f}: nvg_blake2b.directory does not match the directory bytes")
+    if strong.get("vocab") != (blake2b(raw[v_off : v_off + v_len]) if v_len else None):
+        problems.append(f"{f}: nvg_blake2b.vocab does not match the vocab section")
+    want = strong.get("tensors", {})
+    if set(want) != set(one.tensors):
+        problems.append(f"{f}: nvg_blake2b.tensors names {len(want)} tensors, the directory {len(one.tensors)}")
+    for t in one.tensors.values():
+        if t.name in want and blake2b(t.data) != want[t.name]:
+            problems.append(f"{f}: tensor {t.name!r} BLAKE2b does not match its payload")
+    return problems
+
+
 def verify(path, cmf: CmfFile | None = None) -> list[str]:
-    """Every hash in the file (header, directory, each tensor, each section); returns the mismatches.
+    """Every hash in the file (header, directory, each tensor, each section; hash64 and BLAKE2b);
+    returns the mismatches.
     `cmf`: the file already read, so that it is not parsed twice."""
     cmf = cmf or read_cmf(path)
     problems = []
@@ -320,6 +353,7 @@ def verify(path, cmf: CmfFile | None = None) -> list[str]:
         for t in one.tensors.values():
             if hash64(t.data) != t.stored_hash:
                 problems.append(f"{f}: tensor {t.name!r} hash does not match its payload")
+        problems += _verify_strong(f, one, raw, d_off, d_len, v_off, v_len)
     return problems
 
 

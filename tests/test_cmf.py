@@ -112,7 +112,22 @@ def test_verify_reports_a_corrupt_payload(tmp_path):
     raw[data_off] ^= 0xFF
     p.write_bytes(bytes(raw))
     problems = verify(p)
-    assert len(problems) == 1 and "'a.f32' hash does not match" in problems[0]
+    assert len(problems) == 2 and "'a.f32' hash does not match" in problems[0]
+    assert "'a.f32' BLAKE2b does not match its payload" in problems[1]
+
+
+def test_swapped_rows_pass_hash64_but_not_blake2b(tmp_path):
+    """cortiq's hash64 sums 8-byte words in an order-blind way; the BLAKE2b digests catch a swap."""
+    p = tmp_path / "m.cmf"
+    write_cmf(p, HEADER, sample_tensors())
+    t = read_cmf(p).tensors["b.f16"]
+    raw = bytearray(p.read_bytes())
+    data_off = bytes(raw).find(bytes(t.data))
+    row = 96 * 2
+    raw[data_off : data_off + 2 * row] = raw[data_off + row : data_off + 2 * row] + raw[data_off : data_off + row]
+    p.write_bytes(bytes(raw))
+    assert hash64(read_cmf(p).tensors["b.f16"].data) == t.stored_hash
+    assert verify(p) == [f"{p}: tensor 'b.f16' BLAKE2b does not match its payload"]
 
 
 # ── one crafted bad file per hard error ──

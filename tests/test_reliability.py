@@ -215,6 +215,48 @@ def test_a_failing_stage_shows_its_error_line_in_the_terminal(tiny_hf, tiny_corp
     assert not list((tmp_path / "results/teacher").glob("topk.*"))
 
 
+# ------------------------------------------------------- full disk, too little memory -----------------------------
+
+def test_too_little_free_space_is_one_line_before_anything_is_written(tiny_stages, tiny_cmf, tmp_path, capsys, monkeypatch):
+    import collections
+
+    from nvg import atomic
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    out = tmp_path / "topk.0.h5"
+    fails_cleanly(teacher_topk.cli, ["--teacher", tiny_cmf, "--windows", tiny_stages / "windows.h5", "--shard", 0,
+                                     "--out", out, "--settings", '{"k": 8, "shards": 1}'],
+                  capsys, str(out), "bytes, only 1,000 are free on its filesystem", [out])
+
+
+def test_a_full_disk_during_a_write_is_one_line_and_no_output(tiny_hf, tmp_path, capsys, monkeypatch):
+    import errno
+
+    def full(self, data):
+        open(self, "wb").close()  # the temporary file exists when the disk fills
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    out = tmp_path / "teacher.cmf"
+    fails_cleanly(import_teacher.cli, ["--source", tiny_hf, "--out", out], capsys, ".teacher.cmf.tmp",
+                  "no space left on device", [out])
+
+
+def test_too_little_memory_is_one_line_naming_the_size(stage_inputs, tmp_path, capsys, monkeypatch):
+    from nvg import distill
+
+    def allocation_fails(*args):
+        raise MemoryError("Unable to allocate 38.0 GiB for an array with shape (100000, 1024, 64) and data type int32")
+
+    monkeypatch.setattr(distill, "read_topk", allocation_fails)
+    out = tmp_path / "trained.cmf"
+    d = stage_inputs
+    fails_cleanly(train_student.cli, ["--student", d / "student.cmf", "--windows", d / "windows.h5", "--topk", d / "topk.0.h5",
+                                      "--out", out, "--metrics", tmp_path / "m.jsonl", "--settings", "{}"],
+                  capsys, "out of memory", "Unable to allocate 38.0 GiB", [out])
+
+
 # ---------------------------------------------------------------- lineage ------------------------------------------
 # Intermediates changed after they were written, or taken from another run: refused before training,
 # in one line naming the file (each of these trained silently before, and the result passed `nvg verify`).
