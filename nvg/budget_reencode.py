@@ -21,13 +21,16 @@ import numpy as np
 from nvg import blr as codec
 from nvg.artifacts import read_grams, teacher_hash
 from nvg.atomic import write_json
-from nvg.cmf import BLR, Tensor, read_cmf, read_verified, tensor_to_numpy, write_cmf
+from nvg.cmf import BLR, Q4_BLOCK, Q8_ROW, Tensor, dense_tensor, read_cmf, read_verified, tensor_to_numpy, write_cmf
 from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.errors import exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
 from nvg.model import pick_device
 from nvg.plan import read_plan
 from nvg.settings import load
+
+VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # `encode.embedding` sets their format
+EMBEDDING_DTYPES = {"q8_row": Q8_ROW, "q4_block": Q4_BLOCK}
 
 
 def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSettings,
@@ -64,12 +67,19 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     for name, t in base.tensors.items():
         if name in payloads:
             tensors.append(Tensor(name, BLR, t.shape, payloads[name]))
+        elif name in VOCAB_MATRICES and settings.embedding != "f16":
+            W = tensor_to_numpy(t_cmf.tensors[name])
+            q = dense_tensor(name, W, EMBEDDING_DTYPES[settings.embedding])
+            err = float(np.linalg.norm(tensor_to_numpy(q) - W) / np.linalg.norm(W))
+            rows[name] = {"method": settings.embedding, "bpw": 8.0 * len(q.data) / W.size, "rel_error": err}
+            print(f"  {name}: {settings.embedding} {rows[name]['bpw']:.3f} bpw, rel error {err:.4f}", file=sys.stderr)
+            tensors.append(q)
         else:
             tensors.append(Tensor(name, t.dtype, t.shape, t.data))
     header = dict(base.header)
     prov = dict(header.get("provenance", {}))
-    prov["nvg_encode"] = {"teacher_hash": teacher_hash(t_cmf), "method": settings.method, "bpw": settings.bpw, "paths": settings.paths,
-                          "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
+    prov["nvg_encode"] = {"teacher_hash": teacher_hash(t_cmf), "method": settings.method, "bpw": settings.bpw,
+                          "paths": settings.paths, "embedding": settings.embedding, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov
     header["quant_type"] = "BLR"

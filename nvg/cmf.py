@@ -407,7 +407,9 @@ def tensor_to_numpy(t: Tensor) -> np.ndarray:
 
 
 def dense_tensor(name: str, array: np.ndarray, dtype: int = F16) -> Tensor:
-    """A Tensor with an f32/f16/bf16 payload from a float array (f16: IEEE round-to-nearest-even)."""
+    """A Tensor from a float array: f32/f16/bf16 (f16: IEEE round-to-nearest-even), or cortiq's q8_row
+    (int8 per row, scale absmax/127) and q4_block (groups of 32, scale absmax/7), rounded to nearest as
+    cortiq's converter does (reference/cortiq.md §1.5)."""
     a = np.ascontiguousarray(array, dtype=np.float32)
     if dtype == F32:
         payload = a.astype("<f4").tobytes()
@@ -417,6 +419,18 @@ def dense_tensor(name: str, array: np.ndarray, dtype: int = F16) -> Tensor:
         u = a.view(np.uint32).astype(np.uint64)
         rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")  # round to nearest even
         payload = rounded.tobytes()
+    elif dtype == Q8_ROW:
+        rows = a.reshape(a.shape[0] if a.ndim > 1 else 1, -1)
+        scale = (np.abs(rows).max(1) / 127).astype("<f2")
+        safe = np.where(scale == 0, 1, scale).astype(np.float32)[:, None]
+        payload = np.clip(np.rint(rows / safe), -127, 127).astype(np.int8).tobytes() + scale.tobytes()
+    elif dtype == Q4_BLOCK:
+        flat = a.reshape(-1)
+        groups = np.pad(flat, (0, -len(flat) % 32)).reshape(-1, 32)
+        scale = (np.abs(groups).max(1) / 7).astype("<f2")
+        safe = np.where(scale == 0, 1, scale).astype(np.float32)[:, None]
+        q = (np.clip(np.rint(groups / safe), -8, 7) + 8).astype(np.uint8)
+        payload = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).tobytes() + scale.tobytes()
     else:
-        raise ValueError(f"dense_tensor: dtype {dtype} is not f32/f16/bf16")
+        raise ValueError(f"dense_tensor: dtype {dtype} is not f32/f16/bf16/q8_row/q4_block")
     return Tensor(name, dtype, tuple(a.shape), payload)

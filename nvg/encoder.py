@@ -39,6 +39,7 @@ class EncodeSettings:
     rowweight: bool
     damp: float
     iters: int
+    embedding: str
     device: str
 
 

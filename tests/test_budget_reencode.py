@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,3 +159,30 @@ def test_config_paths_reach_the_shell_as_one_quoted_word(tiny_hf, tiny_corpus, t
     argv = shlex.split(commands[0].split("Shell command:", 1)[-1].split(">", 1)[0])
     assert argv[argv.index("--plan") + 1] == str(plan)
     assert not (tmp_path / "INJECTED").exists() and not (REPO / "INJECTED").exists()
+
+
+@pytest.mark.parametrize("fmt", ["q8_row", "q4_block"])
+def test_the_embedding_in_cortiqs_quantised_formats_trains_and_exports(tiny_stages, tiny_cmf, tmp_path, fmt):
+    import shutil
+
+    from nvg.cmf import Q4_BLOCK, Q8_ROW, tensor_to_numpy, verify
+    from nvg.layout import bits_summary
+    from tests.conftest import train
+
+    for name in ("windows.h5", "topk.0.h5"):
+        shutil.copy(tiny_stages / name, tmp_path / name)
+    main(tiny_cmf, tiny_stages / "grams.h5", tmp_path / "student.cmf", tmp_path / "student.json",
+         load(EncodeSettings, bpw=2.0, embedding=fmt, device="cpu"))
+    name = "model.embed_tokens.weight"
+    student, f16 = read_cmf(tmp_path / "student.cmf"), read_cmf(tiny_stages / "student.cmf")
+    t = student.tensors[name]
+    assert t.dtype == {"q8_row": Q8_ROW, "q4_block": Q4_BLOCK}[fmt]
+    row = json.loads((tmp_path / "student.json").read_text())["tensors"][name]
+    assert row["method"] == fmt and 0 < row["rel_error"] < 0.2 and row["bpw"] == pytest.approx(8 * len(t.data) / t.numel)
+    assert bits_summary(student)["file_bpw"] < bits_summary(f16)["file_bpw"]
+    assert student.header["provenance"]["nvg_encode"]["embedding"] == fmt
+    trained = train(tmp_path, "trained")
+    assert bytes(trained.tensors[name].data) == bytes(t.data)  # frozen: the student trains around it
+    assert verify(tmp_path / "trained.cmf") == []
+    w = tensor_to_numpy(trained.tensors[name])
+    assert np.isfinite(w).all() and w.shape == tuple(t.shape)

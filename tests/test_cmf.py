@@ -89,6 +89,25 @@ def test_quantised_teacher_dtypes_dequantise():
     np.testing.assert_allclose(tensor_to_numpy(t3).reshape(-1, 32), (q4.astype(np.float32) - 8) * s4.astype(np.float32)[:, None])
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(Q8_ROW, 0.5 / 127), (Q4_BLOCK, 0.5 / 7)])
+def test_q8_row_and_q4_block_are_written_as_cortiq_reads_them(tmp_path, dtype, tolerance):
+    rng = np.random.default_rng(2)
+    w = (rng.normal(size=(6, 80)) * rng.uniform(0.1, 3, size=(6, 1))).astype(np.float32)
+    w[2] = 0.0  # an all-zero row (q8) and groups (q4): scale 0, values 0
+    t = dense_tensor("e", w, dtype)
+    n = w.size
+    assert len(t.data) == (n + 2 * 6 if dtype == Q8_ROW else 18 * -(-n // 32))  # cortiq's expected_nbytes
+    write_cmf(tmp_path / "q.cmf", HEADER, [t])
+    back = tensor_to_numpy(read_cmf(tmp_path / "q.cmf").tensors["e"])
+    if dtype == Q8_ROW:
+        bound = np.abs(w).max(1, keepdims=True) * tolerance * 1.01
+    else:
+        groups = np.pad(w.reshape(-1), (0, -n % 32)).reshape(-1, 32)
+        bound = np.repeat(np.abs(groups).max(1) * tolerance * 1.01, 32)[:n].reshape(w.shape)
+    assert (np.abs(back - w) <= bound + 1e-7).all() and (back[2] == 0).all()
+    assert verify(tmp_path / "q.cmf") == []
+
+
 def test_shards_round_trip(tmp_path):
     tensors = sample_tensors()
     paths = write_cmf_shards(tmp_path / "m-00001-of-00003.cmf", HEADER, tensors, b"vocab", 3)

@@ -10,7 +10,9 @@ if [[ $rule == train_student && ! -e cluster/time-limit-hit ]]; then
   touch cluster/time-limit-hit
   (
     until grep -q "state saved at step" logs/train_student.log 2>/dev/null; do sleep 0.05; done
-    pkill -TERM -f "nvg.train_student" || true
+    for pid in $(pgrep -f "nvg.train_student"); do  # this workflow's job only, never another run's
+      [[ $(readlink "/proc/$pid/cwd") == "$PWD" ]] && kill -TERM "$pid"
+    done
   ) > /dev/null 2>&1 &
 fi
 nohup bash "$jobscript" > "cluster/$(basename "$jobscript").out" 2>&1 &
