@@ -227,9 +227,16 @@ def test_cli_inspect_and_verify(tmp_path, capsys):
 
     p = tmp_path / "m.cmf"
     write_cmf(p, HEADER, sample_tensors(), b"{}")
+    big = {**HEADER, "provenance": {"notes": ["x" * 100] * 60}}  # a header past the old 4,000-character cut
+    write_cmf(p, big, sample_tensors(), b"{}")
     main(["inspect", str(p)])
     out = capsys.readouterr().out
     assert "d.blr" in out and "blr" in out and json.dumps(ARCH["arch_name"]) in out
+    header_text = out[out.index("{") : out.index("\nname ")]
+    assert json.loads(header_text)["nvg_blake2b"]["tensors"] == "<4 digests>"  # whole, valid JSON
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("nvg 0.1.0 (torch ")
     main(["verify", str(p)])
     assert "OK" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
