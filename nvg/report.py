@@ -1,4 +1,6 @@
-"""Stage `report`: one self-contained HTML page from eval.json, encode.json and metrics.jsonl.
+"""Stage `report`: one self-contained HTML page from eval.json, encode.json and metrics.jsonl, rendered
+from the jinja2 template `nvg/templates/report.html.j2`: a verdict in words (the largest perplexity
+ratio to the teacher against 1.5× and 3×), size and compression, every scored text, the stage times.
 
 Plots (PNG, embedded): the training loss and held-out KL curves, bits per weight per layer and role,
 the encoder's relative SEL error per layer and role, and perplexity before and after training.
@@ -10,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import base64
-import html
 import io
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -56,13 +58,15 @@ def per_layer_plot(tensors: dict, key: str, ylabel: str) -> str:
         if parsed and key in row:
             series[parsed[1]][parsed[0]] = row[key]
     fig, ax = plt.subplots(figsize=(7, 3.4))
-    for role in ROLES:
+    styles = ["-", "--", ":", "-."]
+    for k, role in enumerate(ROLES):  # roles at equal budgets coincide: marker and dash tell them apart
         if series[role]:
             layers = sorted(series[role])
-            ax.plot(layers, [series[role][i] for i in layers], marker=".", label=role)
+            ax.plot(layers, [series[role][i] for i in layers], marker="os^vD<>"[k], ms=4, ls=styles[k % 4],
+                    alpha=0.8, label=role)
     ax.set_xlabel("layer")
     ax.set_ylabel(ylabel)
-    ax.legend(ncol=7, fontsize=8)
+    ax.legend(ncol=7, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     ax.grid(alpha=0.3)
     return _png(fig)
 
@@ -90,31 +94,45 @@ def perplexity_plot(report: dict) -> str:
     return _png(fig)
 
 
-def ratio_table(report: dict) -> str:
-    """Perplexity against the teacher's on every scored set: the verdict in one table."""
-    rows = "".join(
-        f"<tr><td>{html.escape(label)}</td><td>{r['tokens']:,}</td><td>{r['teacher']['perplexity']:.3f}</td>"
-        f"<td>{r['encoded']['perplexity']:.4g} ({r['encoded']['perplexity'] / r['teacher']['perplexity']:.2f}×)</td>"
-        f"<td>{r['final']['perplexity']:.4g} ({r['final']['perplexity'] / r['teacher']['perplexity']:.2f}×)</td></tr>"
-        for label, r in scored_sets(report))
-    head = "<tr><th>text</th><th>tokens</th><th>teacher ppl</th><th>encoded ppl (× teacher)</th><th>final ppl (× teacher)</th></tr>"
-    return f"<table>{head}{rows}</table>"
+VERDICTS = [  # (largest perplexity ratio to the teacher, word, colour, meaning): issue #17's targets
+    (1.5, "Close to the teacher", "#2a2", "Within 1.5× everywhere it was measured."),
+    (3.0, "Usable, with a visible quality loss", "#c90", "Within 3× of the teacher: expect noticeably worse text."),
+    (float("inf"), "Far from the teacher", "#c33",
+     "More than 3× the teacher's perplexity somewhere: a smaller dense model may serve better at this size."),
+]
 
 
-def summary_table(report: dict) -> str:
-    rows = []
-    for m in ("teacher", "encoded", "final"):
-        h = report["heldout"][m]
-        f = report["files"][m]
-        rows.append(f"<tr><td>{m}</td><td>{h['perplexity']:.3f}</td><td>{h['kl_full']:.4f}</td>"
-                    f"<td>{h.get('kl_topk', float('nan')):.4f}</td><td>{h['top1_agreement']:.3f}</td>"
-                    f"<td>{f['body_bpw']:.4f}</td><td>{f['file_bpw']:.4f}</td><td>{f['bytes']:,}</td></tr>")
-    head = ("<tr><th>model</th><th>held-out ppl</th><th>KL full vocab</th><th>KL top-k</th><th>top-1 agreement</th>"
-            "<th>body bpw</th><th>file bpw</th><th>bytes</th></tr>")
-    return f"<table>{head}{''.join(rows)}</table>"
+def context(report: dict, encode: dict, metrics: list[dict], teacher: str) -> dict:
+    """Everything the template shows, as plain values."""
+    from importlib.metadata import version
+
+    sets = [{"label": label, "tokens": r["tokens"], "teacher": r["teacher"]["perplexity"],
+             "encoded": r["encoded"]["perplexity"], "final": r["final"]["perplexity"]} for label, r in scored_sets(report)]
+    ood = [{"label": s["label"], "ratio": s["final"] / s["teacher"]} for s in sets[1:]]
+    heldout_ratio = sets[0]["final"] / sets[0]["teacher"]
+    worst = max(ood, key=lambda o: o["ratio"]) if ood else None
+    largest = max([heldout_ratio] + [o["ratio"] for o in ood])
+    limit, word, colour, meaning = next(v for v in VERDICTS if largest <= v[0])
+    files, held = report["files"], report["heldout"]
+    stages = sorted(report.get("stage_seconds", {}).items(), key=lambda kv: -kv[1])
+    return {
+        "teacher": teacher or "(not named)", "nvg_version": version("nvg"), "date": time.strftime("%Y-%m-%d %H:%M"),
+        "verdict": {"word": word, "colour": colour, "meaning": meaning},
+        "final": files["final"], "compression": files["teacher"]["bytes"] / files["final"]["bytes"],
+        "heldout_ratio": heldout_ratio, "worst": worst, "sets": sets,
+        "models": [{"name": m, "perplexity": held[m]["perplexity"], "kl_full": held[m]["kl_full"],
+                    "kl_topk": held[m].get("kl_topk", float("nan")), "top1": held[m]["top1_agreement"], **files[m]}
+                   for m in ("teacher", "encoded", "final")],
+        "encode_method": encode["settings"].get("method"), "encode_error": encode.get("mean_rel_sel_error") or float("nan"),
+        "stages": stages, "stage_total": sum(v for _, v in stages),
+        "plots": {"perplexity": perplexity_plot(report), "training": training_plot(metrics),
+                  "bpw": per_layer_plot(encode["tensors"], "bpw", "bits per weight"),
+                  "error": per_layer_plot(encode["tensors"], "rel_sel_error", "relative SEL error")},
+    }
 
 
-def main(eval_path: Path, encode_path: Path, metrics_path: Path, out: Path) -> None:
+def main(eval_path: Path, encode_path: Path, metrics_path: Path, out: Path, teacher: str = "") -> None:
+    import jinja2
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,24 +142,9 @@ def main(eval_path: Path, encode_path: Path, metrics_path: Path, out: Path) -> N
         metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     except (OSError, ValueError) as e:
         raise NvgError(f"report inputs: {e}") from None
-    stages = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.1f}</td></tr>" for k, v in report.get("stage_seconds", {}).items())
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>nvg report</title>
-<style>body{{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}}table{{border-collapse:collapse;margin:1em 0}}
-td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}td:first-child,th:first-child{{text-align:left}}img{{max-width:100%}}</style>
-</head><body><h1>nvg report</h1>
-<p>Teacher vs the encoded student (before training) vs the final student, on {report['heldout']['tokens']:,} held-out tokens.
-Bits per weight are counted from the stored bytes, headers and scales included.</p>
-{summary_table(report)}
-<h2>Perplexity against the teacher</h2>{ratio_table(report)}
-<h2>Perplexity before and after training</h2><img alt="perplexity" src="{perplexity_plot(report)}">
-<h2>Training</h2><img alt="training curves" src="{training_plot(metrics)}">
-<h2>Bits per weight per layer</h2><img alt="bits per weight" src="{per_layer_plot(encode['tensors'], 'bpw', 'bits per weight')}">
-<h2>Encoder error per layer</h2><p>Relative output error on the SEL calibration tokens, tr((W−Ŵ)H(W−Ŵ)ᵀ)/tr(WHWᵀ),
-method {html.escape(str(encode['settings'].get('method')))}, mean {encode.get('mean_rel_sel_error') or float('nan'):.4f}.</p>
-<img alt="encoder error" src="{per_layer_plot(encode['tensors'], 'rel_sel_error', 'relative SEL error')}">
-<h2>Stage wall time (s)</h2><table>{stages}</table>
-</body></html>
-"""
+    env = jinja2.Environment(loader=jinja2.PackageLoader("nvg", "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined)
+    page = env.get_template("report.html.j2").render(context(report, encode, metrics, teacher))
     with atomic_path(out) as tmp:
         tmp.write_text(page)
 
@@ -153,8 +156,9 @@ def cli(argv=None):
     ap.add_argument("--encode", required=True, type=Path)
     ap.add_argument("--metrics", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--teacher-name", default="", help="the teacher as configured, shown in the page")
     a = ap.parse_args(argv)
-    main(a.eval, a.encode, a.metrics, a.out)
+    main(a.eval, a.encode, a.metrics, a.out, a.teacher_name)
 
 
 if __name__ == "__main__":

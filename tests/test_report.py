@@ -6,7 +6,7 @@ import json
 
 
 def test_report_has_every_plot_and_the_numbers(finished_run):
-    workdir, _ = finished_run
+    workdir, config = finished_run
     page = (workdir / "results/report.html").read_text()
     report = json.loads((workdir / "results/eval.json").read_text())
     assert page.count('src="data:image/png;base64,') == 4
@@ -18,3 +18,11 @@ def test_report_has_every_plot_and_the_numbers(finished_run):
     for source, scores in report["ood"].items():  # every out-of-domain set with its ratio to the teacher
         ratio = scores["final"]["perplexity"] / scores["teacher"]["perplexity"]
         assert f"OOD {source}" in page and f"({ratio:.2f}×)" in page
+    # the verdict in words, the teacher, the size against the teacher's, the stage total
+    ratios = [s["final"]["perplexity"] / s["teacher"]["perplexity"] for s in [report["heldout"], *report["ood"].values()]]
+    word = "Close to the teacher" if max(ratios) <= 1.5 else "Usable, with a visible quality loss" if max(ratios) <= 3 \
+        else "Far from the teacher"
+    assert f"<b>{word}.</b>" in page
+    assert config["teacher"] in page
+    compression = report["files"]["teacher"]["bytes"] / report["files"]["final"]["bytes"]
+    assert f"{compression:.1f}× smaller than" in page and "total (stages before evaluation)" in page

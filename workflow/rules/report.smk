@@ -5,15 +5,18 @@ rule report:
         encode="results/student/encode.json",
         metrics="results/train/metrics.jsonl",
         code=nvg_sources("report"),
+        template=os.path.relpath(NVG / "templates" / "report.html.j2"),
     output:
         html="results/report.html",
     conda:
         "../envs/nvg.yaml"
     log:
         "logs/report.log",
+    params:
+        teacher=config["teacher"],
     resources:
         mem_mb=2000,
         runtime=10,
     shell:
         "python -m nvg.report --eval {input.evaluation} --encode {input.encode} --metrics {input.metrics} "
-        "--out {output.html} > {log} 2>&1"
+        "--out {output.html} --teacher-name {params.teacher:q} > {log} 2>&1"
