@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,8 +68,12 @@ def main(source: Path, prompt: str, max_new_tokens: int = 64, temperature: float
     tok_cfg = cmf.header.get("tokenizer_config", {})
     dev = pick_device(device)
     model = load_model(cmf, dev)
+    t0 = time.perf_counter()
     new = generate(model, prompt_ids(cmf, tok, prompt, chat), max_new_tokens, temperature,
                    set(tok_cfg.get("eos_token_ids", [])), seed, dev)
+    seconds = time.perf_counter() - t0
+    print(f"nvg generate: {len(new)} new tokens in {seconds:.2f} s ({len(new) / max(seconds, 1e-9):.1f} tok/s) on {dev}",
+          file=sys.stderr)
     return tok.decode(new, skip_special_tokens=True)
 
 
@@ -77,14 +82,14 @@ def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg generate", description=__doc__.splitlines()[0])
     ap.add_argument("file", type=Path)
     ap.add_argument("prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default 64)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    ap.add_argument("--chat", action="store_true", help="apply the model's chat template; print the reply alone")
+    ap.add_argument("--seed", type=int, default=0, help="of the sampling (default 0)")
+    ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     a = ap.parse_args(argv)
     out = main(a.file, a.prompt, a.max_new_tokens, a.temperature, a.chat, a.seed, a.device)
-    sys.stdout.write(out + "\n")
+    sys.stdout.write(("" if a.chat else a.prompt) + out + "\n")  # a plain prompt is echoed, its continuation follows
 
 
 if __name__ == "__main__":

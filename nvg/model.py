@@ -353,6 +353,8 @@ def compile_blocks(model: Llama) -> Llama:
 def pick_device(requested: str = "auto") -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise NvgError(f"device {requested!r}: this torch ({torch.__version__}) sees no CUDA GPU; use cpu or auto")
     return torch.device(requested)
 
 

@@ -40,3 +40,22 @@ def test_sampling_is_seeded_and_chat_uses_the_template(tiny_cmf):
 def test_real_teacher_continues_a_story(real_teacher_cmf):
     text = main(real_teacher_cmf, "Once upon a time, there was a little girl who", max_new_tokens=8)
     assert text.startswith(" loved to play")
+
+
+def test_a_cuda_device_without_a_gpu_is_one_line(tiny_cmf, capsys, monkeypatch):
+    import torch
+
+    from nvg.generate import cli
+    from tests.conftest import fails_cleanly
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fails_cleanly(cli, [tiny_cmf, "Once", "--device", "cuda"], capsys, "device 'cuda'", "sees no CUDA GPU", [])
+
+
+def test_the_command_echoes_a_plain_prompt_and_reports_its_speed(tiny_cmf, capsys):
+    from nvg.generate import cli, main
+
+    cli([str(tiny_cmf), "Once upon", "--max-new-tokens", "5"])
+    out, err = capsys.readouterr()
+    assert out == "Once upon" + main(tiny_cmf, "Once upon", 5) + "\n"
+    assert "new tokens in" in err and "tok/s) on " in err
