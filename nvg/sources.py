@@ -78,6 +78,9 @@ def file_texts(path: Path, render_chat: ChatRenderer):
             if isinstance(rec, dict) and isinstance(rec.get("text"), str):
                 yield rec["text"] + "\n"
             elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+                if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                           for m in rec["messages"]):
+                    raise NvgError(f"{path}: line {n}: every message needs a 'role' and a 'content' string")
                 yield render_chat(rec["messages"])
             else:
                 raise NvgError(f"{path}: line {n}: needs a 'text' string or a 'messages' list")
@@ -88,9 +91,11 @@ def file_texts(path: Path, render_chat: ChatRenderer):
             raise NvgError(f"{path}: not valid JSON: {e}") from None
         if not isinstance(items, list):
             raise NvgError(f"{path}: expected a JSON array of [prompt, text] pairs")
-        for item in items:
+        for n, item in enumerate(items):
             parts = item if isinstance(item, list) else [item]
-            yield "".join(str(p) + "\n" for p in parts)
+            if not all(isinstance(p, str) for p in parts):
+                raise NvgError(f"{path}: item {n}: expected a string or a [prompt, text] list of strings, got {type(item).__name__}")
+            yield "".join(p + "\n" for p in parts)
     else:
         yield raw
 

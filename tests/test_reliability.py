@@ -125,6 +125,21 @@ def test_bad_corpus(tiny_cmf, tiny_corpus, tmp_path, capsys, source, settings, p
                   capsys, str(path) if source == "EMPTY" else "window", problem, [out])
 
 
+@pytest.mark.parametrize("name, content, problem", [
+    ("chat.jsonl", '{"messages": [{"role": "user", "content": "hi"}, {"speaker": "bot", "text": "hello"}]}\n',
+     "line 1: every message needs a 'role' and a 'content' string"),
+    ("pairs.json", '[["a prompt", "a text"], {"prompt": "p", "text": "t"}]',
+     "item 1: expected a string or a [prompt, text] list of strings, got dict"),
+])
+def test_malformed_records_are_refused_not_trained_on_as_text(tiny_cmf, tmp_path, capsys, name, content, problem):
+    path = tmp_path / name
+    path.write_text(content)
+    out = tmp_path / "windows.h5"
+    settings = {"sources": [{"path": str(path)}], "tokens": 256, "window": 32}
+    fails_cleanly(tokenize_windows.cli, ["--teacher", tiny_cmf, "--out", out, "--settings", json.dumps(settings)],
+                  capsys, str(path), problem, [out])
+
+
 def test_plan_with_errors(tiny_stages, tiny_cmf, tmp_path, capsys):
     plan = tmp_path / "plan.txt"
     plan.write_text("default 1.0\nlayer 0-1 0.5\nlayer 3-2 1.0\n")
