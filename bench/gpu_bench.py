@@ -73,6 +73,16 @@ def blr_flops_per_token(model) -> float:
     return total + 2 * model.head_weight.numel()
 
 
+class InMemoryTopk:
+    """Targets for the distillation step made in memory here, read as `nvg.artifacts.TopkReader` is."""
+
+    def __init__(self, ids: np.ndarray, logp: np.ndarray):
+        self.ids, self.logp, self.k = ids, logp, ids.shape[-1]
+
+    def read(self, rows):
+        return self.ids[rows], self.logp[rows]
+
+
 def hf_model(cfg: ModelConfig, state: dict | None) -> LlamaForCausalLM:
     """The plain-transformers twin of a model: the same config, the same weights (random when `state` is None)."""
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -162,7 +172,7 @@ def bench_model(name: str, cfg: ModelConfig, teacher, teacher_batches, step_batc
             lambda: baseline_step(hf, opt, x, t_ids, t_p), b * WINDOW, 3 * fpt, max(2, iters // 2))
         say()
     hf = opt = None  # frees the dense model before the student is measured
-    targets = {b: Targets(t[0], b, t[1], t[2]) for b, t in targets.items()}
+    targets = {b: Targets(t[0], b, InMemoryTopk(t[1], t[2])) for b, t in targets.items()}
     # nvg: a BLR student at 1 bpw through the pipeline's own step (nvg/distill.py)
     student = compile_blocks(blr_student(cfg, dense, 1.0).cuda())
     rows["student body bpw"] = round(float(np.mean([codec.bits_per_weight(2, m.rank, m.h.shape[1], m.g.shape[1])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from pathlib import Path
 
 import h5py
@@ -101,16 +102,21 @@ def topk_shard(out, rows: np.ndarray, window: int, k: int, attrs: dict):
                 raise NvgError(f"{out}: verification of the written shard failed")
 
 
-def read_topk(paths: list[Path], windows: dict, n_windows: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """Gather every shard into (ids [N, window, k], logp [N, window, k]) indexed by window row. Every
-    shard must come from these `windows` (their attributes) and one teacher, with one k, ids in
-    [0, vocab) and finite log-probs ≤ 0."""
-    ids = logp = None
-    first: dict = {}
-    seen = np.zeros(n_windows, dtype=bool)
-    for p in paths:
-        try:
-            with h5py.File(p, "r") as f:
+class TopkReader:
+    """The teacher's top-k of any window rows, read from the shard files when asked: memory holds one
+    batch, not 6·k bytes per token of the whole run (38 GB at 100M tokens). Every shard must come from
+    these `windows` (their attributes) and one teacher, with one k, ids in [0, vocab) and finite
+    log-probs ≤ 0: checked on opening, streaming through the shards `CHECK_BYTES` at a time."""
+
+    CHECK_BYTES = 64 << 20
+
+    def __init__(self, paths: list[Path], windows: dict, n_windows: int, vocab: int):
+        self.files, self.shard_of, self.local = [], np.full(n_windows, -1), np.zeros(n_windows, dtype=np.int64)
+        first: dict = {}
+        for i, p in enumerate(paths):
+            try:
+                f = h5py.File(p, "r")
+                self.files.append(f)
                 attrs = dict(f.attrs)
                 if attrs.get("windows_hash") != windows["tokens_blake2b"]:
                     raise NvgError(f"{p}: made from other windows (windows_hash {attrs.get('windows_hash')} is not "
@@ -119,24 +125,70 @@ def read_topk(paths: list[Path], windows: dict, n_windows: int, vocab: int) -> t
                 for key in ("k", "teacher_hash"):
                     if (int(attrs[key]) if key == "k" else attrs[key]) != first[key]:
                         raise NvgError(f"{p}: {key} {attrs[key]} differs from {first['path']}'s {first[key]}")
-                rows, shard_ids, shard_logp = f["rows"][...], f["ids"][...], f["logp"][...]
-        except (OSError, KeyError) as e:
-            raise NvgError(f"{p}: not a readable top-k shard ({e})") from None
-        if rows.size and (rows.min() < 0 or rows.max() >= n_windows):
-            raise NvgError(f"{p}: rows outside the {n_windows} windows")
-        if shard_ids.size and (shard_ids.min() < 0 or shard_ids.max() >= vocab):
-            raise NvgError(f"{p}: ids outside the vocabulary [0, {vocab})")
-        if not np.isfinite(shard_logp).all() or (shard_logp > 1e-3).any():
-            raise NvgError(f"{p}: logp holds NaN, infinite or positive values (log-probabilities are finite and <= 0)")
-        if ids is None:
-            window, k = shard_ids.shape[1], first["k"]
-            ids = np.zeros((n_windows, window, k), dtype=np.int32)
-            logp = np.zeros((n_windows, window, k), dtype=np.float16)
-        ids[rows], logp[rows] = shard_ids, shard_logp
-        seen[rows] = True
-    if not seen.all():
-        raise NvgError(f"{paths[0]}: the top-k shards cover {seen.sum()} of {n_windows} windows")
-    return ids, logp
+                rows = f["rows"][...]
+                if rows.size and (rows.min() < 0 or rows.max() >= n_windows):
+                    raise NvgError(f"{p}: rows outside the {n_windows} windows")
+                self.shard_of[rows], self.local[rows] = i, np.arange(len(rows))
+                step = max(1, self.CHECK_BYTES // (6 * math.prod(f["ids"].shape[1:])))  # int32 ids + float16 logp
+                for s in range(0, len(rows), step):
+                    self._check(p, f["ids"][s : s + step], f["logp"][s : s + step], vocab)
+            except (OSError, KeyError) as e:
+                self.close()
+                raise NvgError(f"{p}: not a readable top-k shard ({e})") from None
+            except NvgError:
+                self.close()
+                raise
+        if (self.shard_of < 0).any():
+            self.close()
+            raise NvgError(f"{paths[0]}: the top-k shards cover {(self.shard_of >= 0).sum()} of {n_windows} windows")
+        self.k = first["k"]
+
+    @staticmethod
+    def _check(path, ids: np.ndarray, logp: np.ndarray, vocab: int) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise NvgError(f"{path}: ids outside the vocabulary [0, {vocab})")
+        if not np.isfinite(logp).all() or (logp > 1e-3).any():
+            raise NvgError(f"{path}: logp holds NaN, infinite or positive values (log-probabilities are finite and <= 0)")
+
+    def read(self, rows) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32 [len(rows), window, k], logp float16 [...]) in the order of `rows`. A run of
+        consecutive rows within one shard (a training batch) is one contiguous read."""
+        rows = np.asarray(rows, dtype=np.int64)
+        parts = []
+        for shard in np.unique(self.shard_of[rows]):
+            mine = rows[self.shard_of[rows] == shard]
+            local = self.local[mine]
+            f = self.files[shard]
+            if len(local) and (np.diff(local) == 1).all():
+                parts.append((mine, f["ids"][local[0] : local[-1] + 1], f["logp"][local[0] : local[-1] + 1]))
+            else:  # h5py reads increasing indices; put them back in the asked order
+                order = np.argsort(local)
+                inverse = np.argsort(order)
+                parts.append((mine, f["ids"][local[order]][inverse], f["logp"][local[order]][inverse]))
+        if len(parts) == 1:
+            return parts[0][1], parts[0][2]
+        position = {int(r): j for j, r in enumerate(rows)}
+        ids = np.empty((len(rows), *parts[0][1].shape[1:]), dtype=np.int32)
+        logp = np.empty((len(rows), *parts[0][2].shape[1:]), dtype=np.float16)
+        for mine, part_ids, part_logp in parts:
+            at = [position[int(r)] for r in mine]
+            ids[at], logp[at] = part_ids, part_logp
+        return ids, logp
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files = []
+
+
+def read_topk(paths: list[Path], windows: dict, n_windows: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every window's top-k in memory, (ids [N, window, k], logp [N, window, k]): for small runs and
+    tests; the stages read rows on demand through `TopkReader`."""
+    reader = TopkReader(paths, windows, n_windows, vocab)
+    try:
+        return reader.read(np.arange(n_windows))
+    finally:
+        reader.close()
 
 
 # ── grams/{model}.h5 ────────────────────────────────────────────────────────────────────────────────

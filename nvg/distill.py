@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nvg.artifacts import read_topk, read_windows
+from nvg.artifacts import TopkReader, read_windows
 from nvg.distributed import Group
 from nvg.losses import full_kl, hidden_mse, topk_kl
 from nvg.model import autocast
@@ -64,18 +64,15 @@ class Targets:
 
     tokens: np.ndarray  # [N, window] int32
     n_train: int
-    t_ids: np.ndarray | None = None  # [N, window, k] int32
-    t_logp: np.ndarray | None = None  # [N, window, k] float16
+    topk: TopkReader | None = None  # rows → (ids [b, window, k] int32, logp [b, window, k] float16)
 
     @classmethod
     def from_files(cls, windows: Path, topk: list[Path], vocab: int) -> "Targets":
-        """Both checked on reading (`nvg/artifacts.py`): content hash, lineage, ranges, finiteness.
-        No `topk` files: the windows alone, for a live teacher."""
+        """Both checked on reading (`nvg/artifacts.py`): content hash, lineage, ranges, finiteness; the
+        top-k stays in its files and is read batch by batch. No `topk` files: the windows alone, for a
+        live teacher."""
         tokens, attrs = read_windows(windows, vocab)
-        if not topk:
-            return cls(tokens, int(attrs["n_train"]))
-        t_ids, t_logp = read_topk(topk, attrs, len(tokens), vocab)
-        return cls(tokens, int(attrs["n_train"]), t_ids, t_logp)
+        return cls(tokens, int(attrs["n_train"]), TopkReader(topk, attrs, len(tokens), vocab) if topk else None)
 
 
 class Distiller:
@@ -94,15 +91,14 @@ class Distiller:
     def loss(self, rows) -> torch.Tensor:
         """Mean per-token loss over `rows`: the KL, plus the hidden-state term when training against a
         live teacher (the held-out evaluation, without gradient, is the KL alone)."""
-        pick = lambda a: torch.from_numpy(a[rows]).to(self.device)  # noqa: E731
-        ids = pick(self.targets.tokens)
+        ids = torch.from_numpy(self.targets.tokens[rows]).to(self.device)
         training = torch.is_grad_enabled()
         recompute = self.recompute_every if training else 0
         with autocast(self.device, self.precision):
             if self.teacher is None:
                 hidden = self.model.hidden(ids, recompute)
-                return topk_kl(hidden, self.model.head_weight, pick(self.targets.t_ids), pick(self.targets.t_logp),
-                               self.tail) / ids.numel()
+                t_ids, t_logp = (torch.from_numpy(a).to(self.device) for a in self.targets.topk.read(rows))
+                return topk_kl(hidden, self.model.head_weight, t_ids, t_logp, self.tail) / ids.numel()
             layers = training and self.hidden_weight > 0
             with torch.no_grad():
                 t_res = self.teacher.residuals(ids) if layers else [None]

@@ -23,7 +23,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import read_topk, read_windows
+from nvg.artifacts import TopkReader, read_windows
 from nvg.atomic import write_json
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
@@ -106,11 +106,12 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
     vocab = cmfs["teacher"].arch["vocab_size"]
     tokens, attrs = read_windows(windows, vocab)
     n_train = int(attrs["n_train"])
-    t_ids, t_logp = read_topk(topk, attrs, len(tokens), vocab)
+    reader = TopkReader(topk, attrs, len(tokens), vocab)  # checks every shard; only the held-out rows are read
+    t_ids, t_logp = reader.read(np.arange(n_train, len(tokens)))
+    reader.close()
     device = pick_device(settings.device)
     models = {n: compile_blocks(load_model(c, device)) for n, c in cmfs.items()}
-    k = t_ids.shape[-1]
-    report = {"heldout": score(models, tokens[n_train:], t_ids[n_train:], t_logp[n_train:], settings, device, k)}
+    report = {"heldout": score(models, tokens[n_train:], t_ids, t_logp, settings, device, reader.k)}
     if settings.ood:
         from tokenizers import Tokenizer
 
@@ -123,7 +124,7 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
             ood = ids[: len(ids) // window * window].reshape(-1, window)
             if len(ood) == 0:
                 raise NvgError(f"{source}: fewer than one {window}-token window of out-of-domain text")
-            report["ood"][source] = score(models, ood, None, None, settings, device, k)
+            report["ood"][source] = score(models, ood, None, None, settings, device, reader.k)
     report["files"] = {n: {"path": str(c.path), "bytes": c.path.stat().st_size, **bits_summary(c)} for n, c in cmfs.items()}
     report["training_tokens"] = cmfs["final"].header.get("provenance", {}).get("nvg_train", {}).get("tokens")
     report["stage_seconds"] = stage_seconds(benchmarks)

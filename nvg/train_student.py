@@ -312,7 +312,7 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
         export_student(run.student, d.model, out, {
             "teacher": teacher_name, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
             "lr": s.lr, "targets": s.targets, "steps": st.done,
-            **({"hidden_weight": s.hidden_weight} if s.targets == "live" else {"topk": int(d.targets.t_ids.shape[-1])}), "best_step": st.best_step,
+            **({"hidden_weight": s.hidden_weight} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,
             "tail": s.tail, "precision": s.precision, "processes": run.group.world, "evals": st.evals,
             **{mode.name: mode.provenance() for mode in d.modes},

@@ -264,7 +264,7 @@ def test_too_little_memory_is_one_line_naming_the_size(stage_inputs, tmp_path, c
     def allocation_fails(*args):
         raise MemoryError("Unable to allocate 38.0 GiB for an array with shape (100000, 1024, 64) and data type int32")
 
-    monkeypatch.setattr(distill, "read_topk", allocation_fails)
+    monkeypatch.setattr(distill, "TopkReader", allocation_fails)
     out = tmp_path / "trained.cmf"
     d = stage_inputs
     fails_cleanly(train_student.cli, ["--student", d / "student.cmf", "--windows", d / "windows.h5", "--topk", d / "topk.0.h5",

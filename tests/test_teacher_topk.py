@@ -87,3 +87,28 @@ def test_settings_the_inputs_cannot_meet_fail_in_one_line(tiny_cmf, tiny_corpus,
     text = json.dumps({"k": 8, "shards": 1, **settings})
     fails_cleanly(cli, ["--teacher", tiny_cmf, "--windows", tmp_path / "w.h5", "--shard", 0, "--out", tmp_path / "t.h5",
                         "--settings", text], capsys, problem.split(":")[0], problem, [tmp_path / "t.h5"])
+
+
+def test_the_top_k_is_read_batch_by_batch_not_held_whole(tiny_cmf, tiny_stages, tmp_path, monkeypatch):
+    """Memory for the targets is one batch, whatever the shard's size (numpy allocations traced)."""
+    import tracemalloc
+
+    from nvg.artifacts import TopkReader
+
+    main(tiny_cmf, tiny_stages / "windows.h5", 0, tmp_path / "topk.0.h5", load(TopkSettings, k=256, shards=1, batch=8))
+    tokens, attrs = read_windows(tiny_stages / "windows.h5")
+    whole = len(tokens) * tokens.shape[1] * 256 * 6
+    ids_all, logp_all = read_topk([tmp_path / "topk.0.h5"], attrs, len(tokens), 300)
+    monkeypatch.setattr(TopkReader, "CHECK_BYTES", whole // 10)  # the opening check streams too
+    tracemalloc.start()
+    reader = TopkReader([tmp_path / "topk.0.h5"], attrs, len(tokens), 300)
+    for s in range(0, len(tokens) - 8, 8):  # training batches, then the held-out rows in another order
+        ids, logp = reader.read(list(range(s, s + 8)))
+        assert (ids == ids_all[s : s + 8]).all() and (logp == logp_all[s : s + 8]).all()
+    rows = [len(tokens) - 1, 3, len(tokens) - 5]
+    ids, logp = reader.read(rows)
+    assert (ids == ids_all[rows]).all() and (logp == logp_all[rows]).all()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    reader.close()
+    assert peak < whole / 3, (peak, whole)
