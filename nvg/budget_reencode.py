@@ -23,7 +23,7 @@ from nvg.artifacts import read_grams, teacher_hash
 from nvg.atomic import write_json
 from nvg.cmf import BLR, Q4_BLOCK, Q8_ROW, Tensor, dense_tensor, read_cmf, read_verified, tensor_to_numpy, write_cmf
 from nvg.encoder import EncodeSettings, encode_tensor
-from nvg.errors import exits_cleanly
+from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
 from nvg.model import pick_device
 from nvg.plan import read_plan
@@ -40,6 +40,14 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     arch = t_cmf.arch
     body = [n for n in t_cmf.tensors if parse_body_linear(n)]
     plan.check_against(arch["num_layers"], body)
+    for name in body:  # every budget checked before any encoding, naming the plan line that set it
+        layer, role = parse_body_linear(name)
+        bpw, origin = plan.rule_for(name, layer, settings.bpw)
+        if role in ("k", "v") and settings.kv_factor != 1.0:
+            bpw, origin = bpw * settings.kv_factor, f"{origin} × config encode.kv_factor {settings.kv_factor}"
+        if codec.max_rank(bpw, 1, *t_cmf.tensors[name].shape) == 0:
+            need = codec.bits_per_weight(1, 8, *t_cmf.tensors[name].shape)
+            raise NvgError(f"{origin}: {bpw:.4f} bpw for {name} cannot hold even rank 8 (the minimum is {need:.4f} bpw)")
     s_cmf = read_verified(student) if student else None
     device = pick_device(settings.device)
     t0 = time.perf_counter()

@@ -27,18 +27,25 @@ _BPW = section_schema("encode")["properties"]["bpw"]
 class Plan:
     source: str
     default: float | None = None
+    default_origin: str = "config encode.bpw"  # where the default came from, for error messages
     layers: list[tuple[int, int, float, int]] = field(default_factory=list)  # (first, last, bpw, line)
     tensors: list[tuple[str, float, int]] = field(default_factory=list)  # (pattern, bpw, line)
 
     def bpw_for(self, name: str, layer: int | None, fallback: float) -> float:
-        for pattern, bpw, _ in reversed(self.tensors):
+        return self.rule_for(name, layer, fallback)[0]
+
+    def rule_for(self, name: str, layer: int | None, fallback: float) -> tuple[float, str]:
+        """(bits per weight, where they come from: the plan line or the config key)."""
+        for pattern, bpw, line in reversed(self.tensors):
             if fnmatch.fnmatchcase(name, pattern):
-                return bpw
+                return bpw, f"{self.source}: line {line}"
         if layer is not None:
-            for first, last, bpw, _ in reversed(self.layers):
+            for first, last, bpw, line in reversed(self.layers):
                 if first <= layer <= last:
-                    return bpw
-        return self.default if self.default is not None else fallback
+                    return bpw, f"{self.source}: line {line}"
+        if self.default is not None:
+            return self.default, self.default_origin
+        return fallback, "config encode.bpw"
 
     def check_against(self, num_layers: int, names: list[str]) -> None:
         """Layer rules in range and tensor rules that match something, else an error with the line."""
@@ -68,7 +75,7 @@ def parse_plan(text: str, source: str = "<plan>") -> Plan:
             continue
         kind = words[0]
         if kind == "default" and len(words) == 2:
-            plan.default = _bpw(words[1], source, n)
+            plan.default, plan.default_origin = _bpw(words[1], source, n), f"{source}: line {n}"
         elif kind == "layer" and len(words) == 3:
             first, sep, last = words[1].partition("-")
             if not first.isdigit() or (sep and not last.isdigit()):

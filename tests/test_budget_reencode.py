@@ -186,3 +186,27 @@ def test_the_embedding_in_cortiqs_quantised_formats_trains_and_exports(tiny_stag
     assert verify(tmp_path / "trained.cmf") == []
     w = tensor_to_numpy(trained.tensors[name])
     assert np.isfinite(w).all() and w.shape == tuple(t.shape)
+
+
+@pytest.mark.parametrize("plan_text, settings, origin", [
+    ("default 2.0\ntensor model.layers.1.mlp.down_proj.weight 0.05\n", {}, "plan.txt: line 2: 0.0500 bpw for model.layers.1.mlp.down_proj.weight"),
+    ("default 0.05\n", {}, "plan.txt: line 1: 0.0500 bpw for model.layers.0."),
+    (None, {"bpw": 0.05}, "config encode.bpw: 0.0500 bpw for model.layers.0."),
+    (None, {"bpw": 2.0, "kv_factor": 0.02}, "config encode.bpw × config encode.kv_factor 0.02: 0.0400 bpw for model.layers.0.self_attn.k_proj"),
+])
+def test_a_budget_too_small_names_its_plan_line_before_any_encoding(tiny_stages, tiny_cmf, tmp_path, capsys, monkeypatch,
+                                                                    plan_text, settings, origin):
+    from nvg import budget_reencode
+    from nvg.budget_reencode import cli
+    from tests.conftest import fails_cleanly
+
+    def never(*args, **kwargs):
+        raise AssertionError("a tensor was encoded before the budgets were checked")
+
+    monkeypatch.setattr(budget_reencode, "encode_tensor", never)
+    args = ["--teacher", tiny_cmf, "--grams", tiny_stages / "grams.h5", "--out", tmp_path / "s.cmf",
+            "--report", tmp_path / "s.json", "--settings", json.dumps({"device": "cpu", **settings})]
+    if plan_text:
+        (tmp_path / "plan.txt").write_text(plan_text)
+        args += ["--plan", tmp_path / "plan.txt"]
+    fails_cleanly(cli, args, capsys, origin, "cannot hold even rank 8", [tmp_path / "s.cmf"])
