@@ -23,6 +23,10 @@ def atomic_path(path: str | os.PathLike, nbytes: int = 0):
     if nbytes > free:
         raise NvgError(f"{path}: needs {nbytes:,} bytes, only {free:,} are free on its filesystem")
     for stale in path.parent.glob(f".{path.name}.tmp*"):  # left by a killed run; one writer per output
+        pid = stale.name.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            raise NvgError(f"{path}: process {pid} is writing it now ({stale.name}); one writer per output "
+                           "(Snakemake's lock ensures it: do not run two workflows in one folder with --nolock)")
         stale.unlink()
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -31,6 +35,16 @@ def atomic_path(path: str | os.PathLike, nbytes: int = 0):
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def write_json(path, obj) -> None:

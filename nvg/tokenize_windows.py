@@ -73,7 +73,8 @@ def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Pat
     for src, budget in zip(settings.sources, budgets):
         w = source_windows(src["path"], budget, settings.window, tokenizer, ChatRenderer(template, src["path"]), corpus)
         if len(w) == 0:
-            raise NvgError(f"{src['path']}: not one {settings.window}-token window in its {budget}-token share")
+            raise NvgError(f"{src['path']}: not one {settings.window}-token window in its {budget}-token share "
+                           "(the source is too short, or its weight too small for data.tokens)")
         windows.append(w)
     tokens = np.concatenate(windows)
     need = settings.eval_windows + 1

@@ -480,3 +480,25 @@ def test_the_default_config_restates_the_schema_defaults():
             assert node == default, f"config.yaml {path}: {node!r}, schema default {default!r}"
 
     walk(DEFAULT_CONFIG, defaults, "")
+
+
+def test_a_second_writer_of_one_output_is_refused_while_the_first_lives(tmp_path):
+    """Without Snakemake's lock two jobs could write one output; the second used to delete the first's
+    temporary file (FileNotFoundError at its rename). A dead writer's file is still cleaned up."""
+    from nvg.atomic import atomic_path
+
+    out = tmp_path / "x.bin"
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # the first writer, alive
+    other = out.with_name(f".{out.name}.tmp{writer.pid}")
+    other.write_bytes(b"being written")
+    try:
+        with pytest.raises(NvgError, match=rf"x.bin: process {writer.pid} is writing it now"):
+            with atomic_path(out):
+                pass
+        assert other.read_bytes() == b"being written" and not out.exists()
+    finally:
+        writer.kill()
+        writer.wait()
+    with atomic_path(out) as tmp:  # the writer is dead now: its leftover is removed
+        tmp.write_bytes(b"second")
+    assert not other.exists() and out.read_bytes() == b"second"
