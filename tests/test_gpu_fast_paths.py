@@ -87,14 +87,19 @@ def test_teacher_pass_on_cuda_matches_the_cpu():
 def test_training_on_cuda_matches_the_cpu(stage_inputs):
     """train_student end to end, float32: the CUDA run (compiled, checkpointed, fused Adam) takes the
     same steps as the CPU run."""
+    _six_steps_on_both_devices_agree(stage_inputs, "")
+
+
+def _six_steps_on_both_devices_agree(stage_inputs, prefix: str, **settings):
+    """Six float32 training steps on the CPU and on CUDA: the same losses and held-out KLs."""
     import json
 
     from tests.conftest import train
 
     runs = {}
     for device in ("cpu", "cuda"):
-        train(stage_inputs, device, device=device, precision="fp32", epochs=1, stop_after=6)
-        runs[device] = [json.loads(line) for line in (stage_inputs / f"{device}.jsonl").read_text().splitlines()]
+        train(stage_inputs, f"{prefix}{device}", device=device, precision="fp32", epochs=1, stop_after=6, **settings)
+        runs[device] = [json.loads(line) for line in (stage_inputs / f"{prefix}{device}.jsonl").read_text().splitlines()]
     losses = {dev: [m["loss"] for m in ms if "loss" in m] for dev, ms in runs.items()}
     assert len(losses["cpu"]) == 6
     np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-3)
@@ -158,20 +163,7 @@ def test_sign_training_on_cuda_matches_the_cpu(stage_inputs):
 def test_live_teacher_training_on_cuda_matches_the_cpu(stage_inputs):
     """The live-teacher loss (compiled full-vocabulary KL blocks under checkpointing, hidden-state term)
     and its steps on CUDA against the CPU, float32."""
-    import json
-
-    from tests.conftest import train
-
-    runs = {}
-    for device in ("cpu", "cuda"):
-        train(stage_inputs, f"live-{device}", device=device, precision="fp32", epochs=1, stop_after=6,
-              targets="live", hidden_weight=0.5)
-        runs[device] = [json.loads(line) for line in (stage_inputs / f"live-{device}.jsonl").read_text().splitlines()]
-    losses = {dev: [m["loss"] for m in ms if "loss" in m] for dev, ms in runs.items()}
-    assert len(losses["cpu"]) == 6
-    np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-3)
-    kl = {dev: [m["heldout_kl"] for m in ms if "heldout_kl" in m] for dev, ms in runs.items()}
-    np.testing.assert_allclose(kl["cuda"], kl["cpu"], rtol=1e-3)
+    _six_steps_on_both_devices_agree(stage_inputs, "live-", targets="live", hidden_weight=0.5)
 
 
 def test_greedy_decoding_on_cuda_matches_the_cpu(tiny_cmf, monkeypatch):
