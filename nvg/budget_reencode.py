@@ -40,7 +40,8 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     arch = t_cmf.arch
     body = [n for n in t_cmf.tensors if parse_body_linear(n)]
     plan.check_against(arch["num_layers"], body)
-    for name in body:  # every budget checked before any encoding, naming the plan line that set it
+    budgets = {}  # every budget settled and checked before any encoding, naming the plan line that set it
+    for name in body:
         layer, role = parse_body_linear(name)
         bpw, origin = plan.rule_for(name, layer, settings.bpw)
         if role in ("k", "v") and settings.kv_factor != 1.0:
@@ -48,13 +49,14 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
         if codec.max_rank(bpw, 1, *t_cmf.tensors[name].shape) == 0:
             need = codec.bits_per_weight(1, 8, *t_cmf.tensors[name].shape)
             raise NvgError(f"{origin}: {bpw:.4f} bpw for {name} cannot hold even rank 8 (the minimum is {need:.4f} bpw)")
+        budgets[name] = bpw
     s_cmf = read_verified(student) if student else None
     device = pick_device(settings.device)
     t0 = time.perf_counter()
     payloads, rows = {}, {}
     for name in body:
         layer, role = parse_body_linear(name)
-        bpw = plan.bpw_for(name, layer, settings.bpw) * (settings.kv_factor if role in ("k", "v") else 1.0)
+        bpw = budgets[name]
         shape = t_cmf.tensors[name].shape
         if s_cmf is not None and s_cmf.tensors.get(name) is not None and s_cmf.tensors[name].dtype == BLR:
             cur = codec.parse_header(bytes(s_cmf.tensors[name].data[:16]))

@@ -150,6 +150,11 @@ def read_cmf(path: str | os.PathLike) -> CmfFile:
 
 
 def _read_one(path: Path) -> CmfFile:
+    return _load(path)[0]
+
+
+def _load(path: Path) -> tuple[CmfFile, memoryview]:
+    """One file parsed, and its bytes (which the tensors' payloads view), from a single read."""
     try:
         raw = memoryview(path.read_bytes())
     except OSError as e:
@@ -190,7 +195,7 @@ def _read_one(path: Path) -> CmfFile:
     tensors = _parse_directory(path, raw[d_off : d_off + d_len], d_off, raw[data_off : data_off + data_len], data_off)
     v_off, v_len = sections["vocab"]
     vocab = bytes(raw[v_off : v_off + v_len]) if v_len else None
-    return CmfFile(path=path, header=header, tensors=tensors, vocab=vocab, features=features)
+    return CmfFile(path=path, header=header, tensors=tensors, vocab=vocab, features=features), raw
 
 
 def _parse_directory(path, dir_bytes, d_off, blob, data_off) -> dict[str, Tensor]:
@@ -327,41 +332,49 @@ def _verify_strong(f: Path, one: CmfFile, raw: bytes, d_off: int, d_len: int, v_
     return problems
 
 
-def verify(path, cmf: CmfFile | None = None) -> list[str]:
-    """Every hash in the file (header, directory, each tensor, each section; hash64 and BLAKE2b);
-    returns the mismatches.
-    `cmf`: the file already read, so that it is not parsed twice."""
-    cmf = cmf or read_cmf(path)
+def _verify_one(f: Path, one: CmfFile, raw: memoryview) -> list[str]:
+    """The hashes of one file (one shard): hash64 of header, directory, vocab and each tensor, then BLAKE2b."""
     problems = []
-    files = [cmf.path]
-    m = SHARD_NAME.match(cmf.path.name)
+    _, _, _, _, *rest = ENVELOPE.unpack_from(raw, 0)
+    (h_off, h_len, d_off, d_len), (header_hash, dir_hash) = rest[:4], rest[12:]
+    v_off, v_len = rest[8], rest[9]
+    if header_hash and hash64(raw[h_off : h_off + h_len]) != header_hash:
+        problems.append(f"{f}: header_hash at offset 0x70 does not match the header bytes")
+    if dir_hash and hash64(raw[d_off : d_off + d_len]) != dir_hash:
+        problems.append(f"{f}: dir_hash at offset 0x78 does not match the directory bytes")
+    want_vocab = one.header.get("section_hashes", {}).get("vocab")
+    if v_len and want_vocab and hex16(hash64(raw[v_off : v_off + v_len])) != want_vocab:
+        problems.append(f"{f}: section_hashes.vocab does not match the vocab section")
+    for t in one.tensors.values():
+        if hash64(t.data) != t.stored_hash:
+            problems.append(f"{f}: tensor {t.name!r} hash does not match its payload")
+    return problems + _verify_strong(f, one, raw, d_off, d_len, v_off, v_len)
+
+
+def verify(path) -> list[str]:
+    """Every hash in the file, or in every shard of a sharded one (header, directory, each tensor, each
+    section; hash64 and BLAKE2b); returns the mismatches."""
+    path = Path(path)
+    files = [path]
+    m = SHARD_NAME.match(path.name)
     if m:
-        files = [cmf.path.with_name(f"{m['base']}-{k:05d}-of-{m['count']}.cmf") for k in range(1, int(m["count"]) + 1)]
+        files = [path.with_name(f"{m['base']}-{k:05d}-of-{m['count']}.cmf") for k in range(1, int(m["count"]) + 1)]
+    problems = []
     for f in files:
-        raw = f.read_bytes()
-        _, _, _, _, *rest = ENVELOPE.unpack_from(raw, 0)
-        (h_off, h_len, d_off, d_len), (header_hash, dir_hash) = rest[:4], rest[12:]
-        v_off, v_len = rest[8], rest[9]
-        if header_hash and hash64(raw[h_off : h_off + h_len]) != header_hash:
-            problems.append(f"{f}: header_hash at offset 0x70 does not match the header bytes")
-        if dir_hash and hash64(raw[d_off : d_off + d_len]) != dir_hash:
-            problems.append(f"{f}: dir_hash at offset 0x78 does not match the directory bytes")
-        one = _read_one(f)
-        want_vocab = one.header.get("section_hashes", {}).get("vocab")
-        if v_len and want_vocab and hex16(hash64(raw[v_off : v_off + v_len])) != want_vocab:
-            problems.append(f"{f}: section_hashes.vocab does not match the vocab section")
-        for t in one.tensors.values():
-            if hash64(t.data) != t.stored_hash:
-                problems.append(f"{f}: tensor {t.name!r} hash does not match its payload")
-        problems += _verify_strong(f, one, raw, d_off, d_len, v_off, v_len)
+        problems += _verify_one(f, *_load(f))
     return problems
 
 
 def read_verified(path) -> CmfFile:
     """`read_cmf` after `verify`: a stage never trains on, encodes from or copies a file whose bytes
-    changed after they were hashed (export would otherwise write fresh hashes over the damage)."""
-    cmf = read_cmf(path)
-    problems = verify(path, cmf)
+    changed after they were hashed (export would otherwise write fresh hashes over the damage). A
+    single file is read and parsed once for both."""
+    path = Path(path)
+    if SHARD_NAME.match(path.name):
+        cmf, problems = read_cmf(path), verify(path)
+    else:
+        cmf, raw = _load(path)
+        problems = _verify_one(path, cmf, raw)
     if problems:
         raise NvgError(f"{problems[0]} (the file changed after it was written: rerun the stage that wrote it)")
     return cmf

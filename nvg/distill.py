@@ -99,14 +99,17 @@ class Distiller:
                 hidden = self.model.hidden(ids, recompute)
                 t_ids, t_logp = (torch.from_numpy(a).to(self.device) for a in self.targets.topk.read(rows))
                 return topk_kl(hidden, self.model.head_weight, t_ids, t_logp, self.tail) / ids.numel()
-            layers = training and self.hidden_weight > 0
+            if not (training and self.hidden_weight > 0):
+                with torch.no_grad():
+                    t_hidden = self.teacher.hidden(ids)
+                hidden = self.model.hidden(ids, recompute)
+                return full_kl(hidden, self.model.head_weight, t_hidden, self.teacher.head_weight) / ids.numel()
             with torch.no_grad():
-                t_res = self.teacher.residuals(ids) if layers else [None]
-                t_hidden = self.teacher.model.norm(t_res[-1]) if layers else self.teacher.hidden(ids)
-            res = self.model.residuals(ids, recompute)
-            loss = full_kl(self.model.model.norm(res[-1]), self.model.head_weight, t_hidden, self.teacher.head_weight)
-            loss = loss / ids.numel()
-            return loss + self.hidden_weight * hidden_mse(res, t_res) if layers else loss
+                t_res = list(self.teacher.residuals(ids))
+                t_hidden = self.teacher.model.norm(t_res[-1])
+            res = list(self.model.residuals(ids, recompute))
+            kl = full_kl(self.model.model.norm(res[-1]), self.model.head_weight, t_hidden, self.teacher.head_weight)
+            return kl / ids.numel() + self.hidden_weight * hidden_mse(res, t_res)
 
     def step(self, rows, opt, lr_factor: float, gscale: float, *, lr: float, clip: float) -> dict:
         """Forward and backward on this process's share of `rows`, gradients averaged over processes,

@@ -246,19 +246,20 @@ class Llama(nn.Module):
     def hidden(self, ids: torch.Tensor, recompute_every: int = 0) -> torch.Tensor:
         """Final-normed hidden states [b, t, hidden]; logits are `hidden @ head_weight.T`, taken in chunks.
         `recompute_every` k > 0 checkpoints every k-th block (see `Block.forward`)."""
-        return self.model.norm(self.residuals(ids, recompute_every)[-1])
+        for x in self.residuals(ids, recompute_every):
+            pass
+        return self.model.norm(x)
 
-    def residuals(self, ids: torch.Tensor, recompute_every: int = 0) -> list[torch.Tensor]:
-        """The residual stream after each block, [b, t, hidden] each (kept anyway: the next block's input)."""
+    def residuals(self, ids: torch.Tensor, recompute_every: int = 0):
+        """Yields the residual stream after each block, [b, t, hidden]: a caller that keeps them all (the
+        hidden-state loss) holds them; one that wants the last (`hidden`) lets each go in turn."""
         if ids.shape[1] > self.cfg.max_position_embeddings:
             raise NvgError(f"window of {ids.shape[1]} tokens exceeds the model's max_position_embeddings {self.cfg.max_position_embeddings}")
         x = self.embed(ids)
         cos, sin = rotary_tables(self.cfg, ids.shape[1], ids.device)
-        out = []
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, recompute_every > 0 and i % recompute_every == 0)
-            out.append(x)
-        return out
+            yield x
 
     def setup_cache(self, batch: int, max_len: int, dtype) -> None:
         """KV caches for decoding `batch` sequences of up to `max_len` tokens, and rotary tables for them."""

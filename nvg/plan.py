@@ -31,9 +31,6 @@ class Plan:
     layers: list[tuple[int, int, float, int]] = field(default_factory=list)  # (first, last, bpw, line)
     tensors: list[tuple[str, float, int]] = field(default_factory=list)  # (pattern, bpw, line)
 
-    def bpw_for(self, name: str, layer: int | None, fallback: float) -> float:
-        return self.rule_for(name, layer, fallback)[0]
-
     def rule_for(self, name: str, layer: int | None, fallback: float) -> tuple[float, str]:
         """(bits per weight, where they come from: the plan line or the config key)."""
         for pattern, bpw, line in reversed(self.tensors):

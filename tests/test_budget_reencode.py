@@ -24,12 +24,12 @@ def test_plan_precedence():
     plan = parse_plan("# budgets\ndefault 0.8\nlayer 0-3 1.0\nlayer 2 0.5\ntensor model.layers.*.mlp.down_proj.weight 1.5\n"
                       "tensor model.layers.3.mlp.down_proj.weight 0.3  # later beats earlier\n")
     plan.check_against(4, NAMES)
-    assert plan.bpw_for("model.layers.1.self_attn.q_proj.weight", 1, 9) == 1.0
-    assert plan.bpw_for("model.layers.2.self_attn.q_proj.weight", 2, 9) == 0.5
-    assert plan.bpw_for("model.layers.2.mlp.down_proj.weight", 2, 9) == 1.5
-    assert plan.bpw_for("model.layers.3.mlp.down_proj.weight", 3, 9) == 0.3
-    assert parse_plan("layer 1 2.0").bpw_for("x", 0, 0.7) == 0.7
-    assert read_plan(None, 0.9).bpw_for("x", 0, 0.1) == 0.9
+    assert plan.rule_for("model.layers.1.self_attn.q_proj.weight", 1, 9)[0] == 1.0
+    assert plan.rule_for("model.layers.2.self_attn.q_proj.weight", 2, 9)[0] == 0.5
+    assert plan.rule_for("model.layers.2.mlp.down_proj.weight", 2, 9)[0] == 1.5
+    assert plan.rule_for("model.layers.3.mlp.down_proj.weight", 3, 9)[0] == 0.3
+    assert parse_plan("layer 1 2.0").rule_for("x", 0, 0.7)[0] == 0.7
+    assert read_plan(None, 0.9).rule_for("x", 0, 0.1)[0] == 0.9
 
 
 @pytest.mark.parametrize("text, message", [
