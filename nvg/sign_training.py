@@ -1,7 +1,12 @@
 """Sign training (`train.signs.enabled`): the ±1 entries of S_U and S_V become trainable through
 straight-through latents, the seed's `--train-signs`.
 
-Every sign gets a real latent z initialised at τ·s, so every sign keeps its bit. The forward pass uses
+Every sign gets a real latent z with the sign of its bit, so every sign keeps its bit at the start.
+`init` sets its magnitude: `uniform` puts every latent at τ, so the first bits to cross are the ones
+with the noisiest gradients; `teacher` (needs the live teacher) gives each sign a confidence, the
+real-valued least-squares factor it stands for (`teacher_confidence`), scaled so that the mean |z| is τ:
+a sign the teacher's weight barely prefers starts near the band and flips first, a sign it disagrees
+with starts at 0 (inside the band). The forward pass uses
 the bits. The backward pass takes ∂L/∂s straight through, with surrogate slope k = 2/τ, as ∂L/∂z.
 As soon as one matrix's gradient is ready (a post-accumulate-grad hook), its latents are updated and
 the gradient is freed. So at most one dense sign gradient exists at a time, never a buffer for the
@@ -46,6 +51,7 @@ class SignSettings:
     SECTION: ClassVar[str] = "train.signs"
     enabled: bool
     optimizer: str
+    init: str
     tau: float
     eta: float | None
     warm: int
@@ -67,13 +73,40 @@ class SignSettings:
         return min(0.15 * self.tau / math.sqrt(max(1, total_steps)), 4e-3 * self.tau)
 
 
+def _solve(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    ridge = 1e-9 * gram.diagonal().abs().mean().clamp_min(1e-30)
+    return torch.linalg.solve(gram + ridge * torch.eye(len(gram), dtype=gram.dtype, device=gram.device), rhs)
+
+
+@torch.no_grad()
+def teacher_confidence(m, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How strongly the teacher's weight `w` [d_out, d_in] wants each bit of `m`'s S_U and S_V: for each
+    path, with everything else fixed, the real-valued least-squares factor that takes the sign's place,
+    times the bit (positive: agrees), clamped at 0. With T = w minus the other paths, A = diag(h) S_U
+    diag(ℓ) and B = diag(ℓ) S_V diag(g):  U* = diag(1/h) T S̃ᵀ (S̃ S̃ᵀ)⁻¹ diag(1/ℓ) with S̃ = S_V diag(g),
+    and V* = (AᵀA)⁻¹ Aᵀ T diag(1/g) — two r×r solves a matrix, in float64."""
+    h, ell, g, su, sv = (t.detach().double() for t in (m.h, m.ell, m.g, m.su, m.sv))
+    paths = torch.einsum("po,por,pr,pri,pi->poi", h, su, ell, sv, g)
+    target = w.detach().double()
+    cu, cv = torch.empty_like(su), torch.empty_like(sv)
+    for p in range(len(h)):
+        t = target - (paths.sum(0) - paths[p])
+        s_v = sv[p] * g[p]
+        u = _solve(s_v @ s_v.T, (t @ s_v.T / h[p][:, None]).T).T / ell[p]
+        a = h[p][:, None] * su[p] * ell[p]
+        v = _solve(a.T @ a, a.T @ t) / g[p]
+        cu[p], cv[p] = (u * su[p]).clamp_min(0), (v * sv[p]).clamp_min(0)
+    return cu.float(), cv.float()
+
+
 class SignTrainer:
     """The latents and optimizer state of every sign matrix, updated from inside the backward pass; a
     training mode of `nvg.distill.Distiller` (its hooks are documented there)."""
 
     name = "signs"
 
-    def __init__(self, model, settings: SignSettings, total_steps: int, group):
+    def __init__(self, model, settings: SignSettings, total_steps: int, group, teacher=None):
+        assert settings.init == "uniform" or teacher is not None, "init: teacher needs the teacher model"
         self.s, self.group = settings, group
         self.eta0 = settings.peak_eta(total_steps)
         self.eta = 0.0  # set before every backward pass by `begin_step`
@@ -86,6 +119,12 @@ class SignTrainer:
                 self.mats[key] = getattr(m, part)
                 self.role[key] = parse_body_linear(name)[1] if parse_body_linear(name) else "other"
         self.latents = {k: self._fresh(p) for k, p in self.mats.items()}
+        if settings.init == "teacher":
+            weights = dict(teacher.named_parameters())
+            for name, m in model.blr_linears().items():
+                for part, c in zip(("su", "sv"), teacher_confidence(m, weights[name])):
+                    z = self.latents[f"{name}:{part}"]["z"]
+                    z.copy_(getattr(m, part) * (c * (settings.tau / c.mean().clamp_min(1e-30))).clamp(max=settings.clamp))
         self.counters = {"sign_steps": 0, "eta_mul": 1.0, "hi_streak": 0, "bad_evals": 0,
                          "flips_total": 0, "saturated_total": 0, "clamped_total": 0}
         self.live = sum(p.numel() for p in self.mats.values())
@@ -112,7 +151,7 @@ class SignTrainer:
     def describe(self) -> str:
         s = self.s
         return (f"sign training: {self.live} signs in {len(self.mats)} matrices, optimizer {s.optimizer} "
-                f"({self.bytes_per_sign} B/sign state ≈ {self.live * self.bytes_per_sign / 1e9:.2f} GB), τ {s.tau}, "
+                f"({self.bytes_per_sign} B/sign state ≈ {self.live * self.bytes_per_sign / 1e9:.2f} GB), latents {s.init} τ {s.tau}, "
                 f"η0 {self.eta0:.3e}{' (auto min(0.15·τ/√steps, 4e-3·τ))' if s.eta is None else ''}, warm {s.warm} sign steps")
 
     def begin_step(self, shape: float, gscale: float) -> float:
@@ -259,5 +298,5 @@ class SignTrainer:
 
     def provenance(self) -> dict:
         st = self.stats()
-        return {"optimizer": self.s.optimizer, "tau": self.s.tau, "eta0": self.eta0, "eta_final_multiplier": self.counters["eta_mul"],
+        return {"optimizer": self.s.optimizer, "init": self.s.init, "tau": self.s.tau, "eta0": self.eta0, "eta_final_multiplier": self.counters["eta_mul"],
                 "steps": self.counters["sign_steps"], "warm": self.s.warm, "hyst": self.s.hyst, "clamp": self.s.clamp, **st}

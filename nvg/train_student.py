@@ -71,6 +71,8 @@ class TrainSettings:
         check(self.batch % self.gpus == 0, "train", "gpus", f"must divide train.batch {self.batch}, got {self.gpus}")
         check(self.targets == "live" or self.hidden_weight == 0, "train", "hidden_weight",
               f"needs targets: live (the cached top-k has no hidden states), got {self.hidden_weight}")
+        check(self.targets == "live" or self.signs.init == "uniform", "train", "signs.init",
+              "teacher needs targets: live (the confidences come from the live teacher's weights)")
         check(self.targets == "topk" or not self.tail, "train", "tail", "applies to targets: topk only (live targets have the whole vocabulary)")
 
 
@@ -198,7 +200,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     total = n_batches * s.epochs
     opt = torch.optim.Adam(list(d.params.values()), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     if s.signs.enabled:
-        d.modes.append(SignTrainer(d.model, s.signs, total, group))
+        d.modes.append(SignTrainer(d.model, s.signs, total, group, teacher=d.teacher))
     for mode in d.modes:
         say(mode.describe())
     state_file = Path(s.state_root) / state_key([student, windows, *topk, *([teacher] if live else [])], s) / "state.safetensors"

@@ -181,3 +181,62 @@ def test_resume_with_signs_is_bit_identical(stage_inputs):
 def test_bad_sign_settings(text, message):
     with pytest.raises(NvgError, match=message.replace("[", r"\[")):
         load(SignSettings, text)
+
+
+class Teacher:
+    """The one dense weight a teacher-initialised SignTrainer reads, under the student's name."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+
+    def named_parameters(self):
+        return [("model.layers.0.mlp.up_proj.weight", self.w)]
+
+
+def test_teacher_confidence_is_near_zero_exactly_where_the_bits_are_wrong():
+    from nvg.sign_training import teacher_confidence
+
+    target, student = toy(flip=0.05)
+    cu, cv = teacher_confidence(student, target.dense_weight())
+    for c, wrong in ((cu, student.su != target.su), (cv, student.sv != target.sv)):
+        assert wrong.any() and c[wrong].mean() < 0.05 * c[~wrong].mean(), (c[wrong].mean(), c[~wrong].mean())
+    exact, _ = toy(flip=0.0)
+    cu, cv = teacher_confidence(exact, exact.dense_weight())  # the student is the teacher: every factor is its sign
+    assert torch.allclose(cu, torch.ones_like(cu), atol=1e-4) and torch.allclose(cv, torch.ones_like(cv), atol=1e-4)
+
+
+def test_teacher_initialised_latents_flip_the_wrong_bits_at_a_step_too_small_for_uniform_ones():
+    results = {}
+    for init in ("uniform", "teacher"):
+        target, student = toy(flip=0.05)
+        wrong = int((student.su != target.su).sum() + (student.sv != target.sv).sum())
+        settings = load(SignSettings, enabled=True, init=init, eta=0.003, warm=2, max_step_flip=1.0, max_total_flip=1.0)
+        trainer = SignTrainer(OneLinear(student), settings, 100, Group(),
+                              teacher=Teacher(target.dense_weight()) if init == "teacher" else None)
+        x = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
+        y = target(x)
+        losses = []
+        for step in range(1, 101):
+            trainer.begin_step(lr_shape(step, 100), 1.0)
+            loss = (student(x) - y).pow(2).mean()
+            loss.backward()
+            trainer.end_step()
+            losses.append(float(loss.detach()))
+        results[init] = (wrong, int((student.su != target.su).sum() + (student.sv != target.sv).sum()), losses[0], losses[-1])
+    wrong, still, first, last = results["teacher"]
+    assert still < 0.5 * wrong and last < 0.3 * first, results
+    wrong, still, first, last = results["uniform"]
+    assert still == wrong and last == pytest.approx(first), results  # η 0.003 × 100 steps never reaches the band from τ
+
+
+def test_teacher_initialised_signs_train_with_the_live_teacher(stage_inputs):
+    out = train(stage_inputs, "signs-teacher", epochs=1, targets="live", signs={**SIGNS, "init": "teacher", "eta": 0.05})
+    prov = out.header["provenance"]["nvg_train"]["signs"]
+    assert prov["init"] == "teacher" and prov["flips"] > 0
+
+
+def test_teacher_initialised_signs_need_the_live_teacher():
+    from nvg.train_student import TrainSettings
+
+    with pytest.raises(NvgError, match=r"train.*signs\.init.*targets: live"):
+        load(TrainSettings, signs={"enabled": True, "init": "teacher"})
