@@ -5,11 +5,12 @@
 * `topk.{shard}.h5` — `ids` int32 [n, window, k], `logp` float16 [n, window, k] (log-probs over the
   full vocabulary), `rows` (which windows); attributes k, teacher_hash, windows_hash.
 * `grams/{model}.h5` — `layer{i}/{input}/fit` and `…/sel` float32 [n, n] with count_fit/count_sel;
-  attributes model, windows_hash, inputs.
+  attributes model, model_hash, windows_hash, inputs.
 
 Every writer goes through `atomic_path`: a killed job leaves no file under the output's name. Every
 reader checks what it reads before a stage trains on it: the windows against their content hash, a
-top-k shard against the windows it was made from, and ranges and finiteness of every value."""
+top-k shard against the windows and the teacher it was made from, Grams against their model, a student
+against the teacher it was encoded from, and ranges and finiteness of every value."""
 
 from __future__ import annotations
 
@@ -70,10 +71,23 @@ def shard_rows(n: int, shard: int, shards: int) -> np.ndarray:
     return np.array_split(np.arange(n), shards)[shard]
 
 
-def teacher_hash(cmf) -> str:
-    """Identifies the teacher's content: the directory hash covers every tensor's hash."""
+def model_hash(cmf) -> str:
+    """Identifies a model's content (the teacher's, or a student's): the directory hash covers every
+    tensor's hash."""
     with open(cmf.path, "rb") as f:  # the envelope alone, not the whole file again
         return hex16(int.from_bytes(f.read(128)[0x78:0x80], "little"))
+
+
+def encoded_from(student) -> str | None:
+    """The `teacher_hash` the encoder recorded in a student (None: no nvg_encode record, cortiq's own)."""
+    return student.header.get("provenance", {}).get("nvg_encode", {}).get("teacher_hash")
+
+
+def check_encoded_from(student, teacher) -> None:
+    """A student must have been encoded from this teacher (one without a record passes on its shape alone)."""
+    recorded = encoded_from(student)
+    if recorded is not None and recorded != model_hash(teacher):
+        raise NvgError(f"{student.path}: encoded from teacher {recorded}, not from {teacher.path} ({model_hash(teacher)})")
 
 
 class TopkShardWriter:
@@ -121,7 +135,7 @@ class TopkReader:
                 if attrs.get("windows_hash") != windows["tokens_blake2b"]:
                     raise NvgError(f"{p}: made from other windows (windows_hash {attrs.get('windows_hash')} is not "
                                    f"{windows['tokens_blake2b']}): rerun teacher_topk")
-                first = first or {"k": int(attrs["k"]), "teacher_hash": attrs["teacher_hash"], "path": p}
+                first = first or {"k": int(attrs["k"]), "teacher_hash": str(attrs["teacher_hash"]), "path": p}
                 for key in ("k", "teacher_hash"):
                     if (int(attrs[key]) if key == "k" else attrs[key]) != first[key]:
                         raise NvgError(f"{p}: {key} {attrs[key]} differs from {first['path']}'s {first[key]}")
@@ -141,7 +155,14 @@ class TopkReader:
         if (self.shard_of < 0).any():
             self.close()
             raise NvgError(f"{paths[0]}: the top-k shards cover {(self.shard_of >= 0).sum()} of {n_windows} windows")
-        self.k = first["k"]
+        self.k, self.teacher_hash, self.path = first["k"], first["teacher_hash"], first["path"]
+
+    def check_teacher(self, expected: str | None, whose: str) -> None:
+        """The shards must hold the predictions of the teacher whose hash is `expected` (None: unknown,
+        nothing to check); `whose` says where that hash comes from ("<file> was encoded from teacher")."""
+        if expected is not None and self.teacher_hash != expected:
+            self.close()
+            raise NvgError(f"{self.path}: top-k of teacher {self.teacher_hash}, but {whose} {expected}")
 
     @staticmethod
     def _check(path, ids: np.ndarray, logp: np.ndarray, vocab: int) -> None:
@@ -204,6 +225,19 @@ def write_grams(out, fit: dict, sel: dict, count_fit: int, count_sel: int, attrs
                 grp.create_dataset("sel", data=sel[(layer, name)])
                 grp.attrs.update({"count_fit": count_fit, "count_sel": count_sel})
             f.attrs.update(attrs)
+
+
+def check_grams(path, *models) -> None:
+    """The Grams must have been captured from one of `models` (their `model_hash`): the teacher, or the
+    student being re-encoded."""
+    try:
+        with h5py.File(path, "r") as f:
+            made_from = str(f.attrs["model_hash"])
+    except (OSError, KeyError) as e:
+        raise NvgError(f"{path}: not a readable Gram file ({e}); rerun gram_capture") from None
+    if made_from not in {model_hash(m) for m in models}:
+        named = " or ".join(f"{m.path} ({model_hash(m)})" for m in models)
+        raise NvgError(f"{path}: Grams of model {made_from}, not of {named}")
 
 
 def read_grams(path, layer: int, name: str) -> tuple[np.ndarray, np.ndarray, int, int]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from nvg import blr as codec
-from nvg.artifacts import read_grams, teacher_hash
+from nvg.artifacts import check_encoded_from, check_grams, model_hash, read_grams
 from nvg.atomic import write_json
 from nvg.cmf import BLR, Q4_BLOCK, Q8_ROW, Tensor, dense_tensor, read_cmf, read_verified, tensor_to_numpy, write_cmf
 from nvg.encoder import EncodeSettings, encode_tensor
@@ -51,6 +51,9 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
             raise NvgError(f"{origin}: {bpw:.4f} bpw for {name} cannot hold even rank 8 (the minimum is {need:.4f} bpw)")
         budgets[name] = bpw
     s_cmf = read_verified(student) if student else None
+    if s_cmf is not None:
+        check_encoded_from(s_cmf, t_cmf)
+    check_grams(grams, t_cmf, *([s_cmf] if s_cmf else []))
     device = pick_device(settings.device)
     t0 = time.perf_counter()
     payloads, rows = {}, {}
@@ -88,7 +91,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
             tensors.append(Tensor(name, t.dtype, t.shape, t.data))
     header = dict(base.header)
     prov = dict(header.get("provenance", {}))
-    prov["nvg_encode"] = {"teacher_hash": teacher_hash(t_cmf), "method": settings.method, "bpw": settings.bpw,
+    prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw,
                           "paths": settings.paths, "embedding": settings.embedding, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov

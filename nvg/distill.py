@@ -64,6 +64,7 @@ class Targets:
 
     tokens: np.ndarray  # [N, window] int32
     n_train: int
+    windows_hash: str  # their tokens_blake2b: recorded in the trained student, checked by evaluate
     topk: TopkReader | None = None  # rows → (ids [b, window, k] int32, logp [b, window, k] float16)
 
     @classmethod
@@ -72,7 +73,7 @@ class Targets:
         top-k stays in its files and is read batch by batch. No `topk` files: the windows alone, for a
         live teacher."""
         tokens, attrs = read_windows(windows, vocab)
-        return cls(tokens, int(attrs["n_train"]), TopkReader(topk, attrs, len(tokens), vocab) if topk else None)
+        return cls(tokens, int(attrs["n_train"]), str(attrs["tokens_blake2b"]), TopkReader(topk, attrs, len(tokens), vocab) if topk else None)
 
 
 class Distiller:

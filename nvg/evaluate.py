@@ -23,7 +23,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import TopkReader, read_windows
+from nvg.artifacts import TopkReader, check_encoded_from, model_hash, read_windows
 from nvg.atomic import write_json
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
@@ -107,6 +107,13 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
     tokens, attrs = read_windows(windows, vocab)
     n_train = int(attrs["n_train"])
     reader = TopkReader(topk, attrs, len(tokens), vocab)  # checks every shard; only the held-out rows are read
+    reader.check_teacher(model_hash(cmfs["teacher"]), f"the teacher {teacher} is")
+    for name in ("encoded", "final"):
+        check_encoded_from(cmfs[name], cmfs["teacher"])
+    trained_on = cmfs["final"].header.get("provenance", {}).get("nvg_train", {}).get("windows_hash")
+    if trained_on is not None and trained_on != attrs["tokens_blake2b"]:
+        raise NvgError(f"{final}: trained on windows {trained_on}, not on {windows}'s ({attrs['tokens_blake2b']}): "
+                       "its held-out rows may be ones it trained on")
     t_ids, t_logp = reader.read(np.arange(n_train, len(tokens)))
     reader.close()
     device = pick_device(settings.device)

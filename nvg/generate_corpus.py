@@ -25,7 +25,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import content_hash, shard_rows, teacher_hash, write_corpus
+from nvg.artifacts import content_hash, model_hash, shard_rows, write_corpus
 from nvg.cmf import read_verified
 from nvg.decoding import Decoder
 from nvg.errors import NvgError, exits_cleanly
@@ -105,7 +105,7 @@ def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None
     torch.manual_seed(s.seed * 100_003 + shard)  # the draws use the global RNG (inside a CUDA graph on the GPU)
     t0 = time.perf_counter()
     tokens = sample_sequences(decoder, firsts, s, f"generate_corpus shard {shard}")
-    write_corpus(out, tokens, {"teacher_hash": teacher_hash(cmf), "shard": shard, "settings": json.dumps(asdict(s)),
+    write_corpus(out, tokens, {"teacher_hash": model_hash(cmf), "shard": shard, "settings": json.dumps(asdict(s)),
                                "tokens_blake2b": content_hash(tokens)})
     print(f"generate_corpus: shard {shard}/{s.shards}: {len(rows)} sequences × {s.length} tokens, "
           f"{tokens.size / (time.perf_counter() - t0):.0f} tok/s on {device} → {out}", file=sys.stderr)

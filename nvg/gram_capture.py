@@ -19,7 +19,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import read_windows, write_grams
+from nvg.artifacts import model_hash, read_windows, write_grams
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import BODY_ROLES, ROLE_INPUT
@@ -80,7 +80,7 @@ def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> 
     sel = tokens[settings.fit_windows : settings.fit_windows + settings.sel_windows]
     g_fit, c_fit = capture(model, fit, device, settings.batch, settings.precision)
     g_sel, c_sel = capture(model, sel, device, settings.batch, settings.precision)
-    write_grams(out, g_fit, g_sel, c_fit, c_sel, {"model": str(model_path), "windows_hash": attrs["tokens_blake2b"],
+    write_grams(out, g_fit, g_sel, c_fit, c_sel, {"model": str(model_path), "model_hash": model_hash(cmf), "windows_hash": attrs["tokens_blake2b"],
                                                   "inputs": sorted(set(ROLE_INPUT.values()))})
     print(f"gram_capture: {len(g_fit)} Grams ({c_fit} FIT + {c_sel} SEL tokens) on {device} → {out}", file=sys.stderr)
 

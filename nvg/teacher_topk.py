@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from nvg.artifacts import read_windows, shard_rows, teacher_hash, topk_shard
+from nvg.artifacts import model_hash, read_windows, shard_rows, topk_shard
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.losses import topk_logprobs
@@ -55,7 +55,7 @@ def main(teacher: Path, windows: Path, shard: int, out: Path, settings: TopkSett
     model = compile_blocks(model)
     window, k = tokens.shape[1], settings.k
     t0, done = time.perf_counter(), 0
-    attrs = {"k": k, "teacher_hash": teacher_hash(cmf), "windows_hash": w_attrs["tokens_blake2b"]}
+    attrs = {"k": k, "teacher_hash": model_hash(cmf), "windows_hash": w_attrs["tokens_blake2b"]}
     with topk_shard(out, rows, window, k, attrs) as shard_file:
         for s in range(0, len(rows), settings.batch):
             ids = torch.from_numpy(tokens[rows[s : s + settings.batch]]).to(device, non_blocking=True)

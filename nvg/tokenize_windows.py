@@ -19,7 +19,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import content_hash, read_corpus, teacher_hash, write_windows
+from nvg.artifacts import content_hash, model_hash, read_corpus, write_windows
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
@@ -68,7 +68,7 @@ def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Pat
     template = cmf.header.get("tokenizer_config", {}).get("chat_template")
     want = settings.tokens + settings.eval_windows * settings.window
     budgets = split_budget([float(s.get("weight", 1.0)) for s in settings.sources], want)
-    corpus = read_corpus(list(generated), teacher_hash(cmf)) if generated else None
+    corpus = read_corpus(list(generated), model_hash(cmf)) if generated else None
     windows = []
     for src, budget in zip(settings.sources, budgets):
         w = source_windows(src["path"], budget, settings.window, tokenizer, ChatRenderer(template, src["path"]), corpus)

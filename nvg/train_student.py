@@ -32,7 +32,7 @@ from typing import Callable, ClassVar
 import torch
 
 from nvg import distributed
-from nvg.artifacts import teacher_hash
+from nvg.artifacts import check_encoded_from, encoded_from
 from nvg.atomic import atomic_path
 from nvg.cmf import BLR, F16, CmfFile, Tensor, dense_tensor, read_verified, write_cmf
 from nvg.distill import Distiller, Targets, lr_shape
@@ -163,9 +163,7 @@ def live_teacher(teacher: Path, student: CmfFile, device):
     """The teacher as a frozen model beside the student, after checking that the student was encoded
     from it (the teacher hash the encoder recorded) and has its shape."""
     t_cmf = read_verified(teacher)
-    recorded = student.header.get("provenance", {}).get("nvg_encode", {}).get("teacher_hash")
-    if recorded is not None and recorded != teacher_hash(t_cmf):
-        raise NvgError(f"{teacher}: teacher_hash {teacher_hash(t_cmf)} is not the one {student.path} was encoded from ({recorded})")
+    check_encoded_from(student, t_cmf)
     for key in ("vocab_size", "hidden_size", "num_layers"):
         if t_cmf.arch.get(key) != student.arch.get(key):
             raise NvgError(f"{teacher}: arch.{key} {t_cmf.arch.get(key)} differs from the student's {student.arch.get(key)}")
@@ -188,6 +186,8 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     if live != (teacher is not None) or live == bool(topk):
         raise NvgError(f"config train.targets: {s.targets} needs {'--teacher and no --topk' if live else '--topk files and no --teacher'}")
     targets = Targets.from_files(windows, topk, s_cmf.arch["vocab_size"])
+    if targets.topk is not None:
+        targets.topk.check_teacher(encoded_from(s_cmf), f"{student} was encoded from teacher")
     device = group.device(pick_device(s.device))
     d = Distiller(compile_blocks(load_model(s_cmf, device)), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
@@ -312,7 +312,7 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
             f"{st.skipped} non-finite steps skipped; {st.done} steps")
     if run.group.main:
         export_student(run.student, d.model, out, {
-            "teacher": teacher_name, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
+            "teacher": teacher_name, "windows_hash": d.targets.windows_hash, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
             "lr": s.lr, "targets": s.targets, "steps": st.done,
             **({"hidden_weight": s.hidden_weight} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,

@@ -348,6 +348,67 @@ def test_a_changed_or_foreign_intermediate_is_refused_before_training(tiny_stage
                   capsys, str(files[culprit]), problem, [out, metrics])
 
 
+def another_lineage(tiny_stages, tiny_cmf, tmp_path, what: str) -> dict:
+    """Copies of the stage outputs and the teacher where one input comes from another run's lineage (its
+    recorded hash changed, the file otherwise intact and consistent)."""
+    import h5py
+
+    from nvg.cmf import write_cmf
+
+    files = {n: tmp_path / n for n in ("windows.h5", "topk.0.h5", "student.cmf", "grams.h5")}
+    for name, dst in files.items():
+        shutil.copy2(tiny_stages / name, dst)
+    files["teacher.cmf"] = tmp_path / "teacher.cmf"
+    shutil.copy2(tiny_cmf, files["teacher.cmf"])
+    if what == "top-k of another teacher":
+        with h5py.File(files["topk.0.h5"], "r+") as f:
+            f.attrs["teacher_hash"] = "0123456789abcdef"
+    elif what == "Grams of another model":
+        with h5py.File(files["grams.h5"], "r+") as f:
+            f.attrs["model_hash"] = "0123456789abcdef"
+    elif what in ("student of another teacher", "trained on other windows"):
+        cmf = read_cmf(files["student.cmf"])
+        prov = dict(cmf.header["provenance"])
+        if what == "student of another teacher":
+            prov["nvg_encode"] = {**prov["nvg_encode"], "teacher_hash": "0123456789abcdef"}
+        else:
+            prov["nvg_train"] = {"windows_hash": "0" * 32}
+        write_cmf(files["student.cmf"], {**cmf.header, "provenance": prov}, list(cmf.tensors.values()), cmf.vocab)
+    return files
+
+
+@pytest.mark.parametrize("stage, what, culprit, problem", [
+    ("train_student", "top-k of another teacher", "topk.0.h5", "top-k of teacher 0123456789abcdef, but"),
+    ("budget_reencode", "Grams of another model", "grams.h5", "Grams of model 0123456789abcdef, not of"),
+    ("budget_reencode", "student of another teacher", "student.cmf", "encoded from teacher 0123456789abcdef, not from"),
+    ("evaluate", "top-k of another teacher", "topk.0.h5", "top-k of teacher 0123456789abcdef, but the teacher"),
+    ("evaluate", "student of another teacher", "student.cmf", "encoded from teacher 0123456789abcdef, not from"),
+    ("evaluate", "trained on other windows", "student.cmf", "its held-out rows may be ones it trained on"),
+])
+def test_an_input_from_another_lineage_is_refused_by_the_stage_that_reads_it(tiny_stages, tiny_cmf, tmp_path, capsys,
+                                                                              stage, what, culprit, problem):
+    """Each of these files is intact (its own hashes match): only the lineage recorded in it shows that it
+    belongs to another run (another teacher, another model's Grams, other windows)."""
+    from nvg import evaluate
+
+    f = another_lineage(tiny_stages, tiny_cmf, tmp_path, what)
+    out = tmp_path / "out.cmf"
+    if stage == "train_student":
+        cli, argv = train_student.cli, ["--student", f["student.cmf"], "--windows", f["windows.h5"], "--topk", f["topk.0.h5"],
+                                        "--out", out, "--metrics", tmp_path / "m.jsonl",
+                                        "--settings", json.dumps({"state_root": str(tmp_path / "state")})]
+    elif stage == "budget_reencode":
+        student = ["--student", f["student.cmf"]] if what == "student of another teacher" else []
+        cli, argv = budget_reencode.cli, ["--teacher", f["teacher.cmf"], "--grams", f["grams.h5"], *student, "--out", out,
+                                          "--report", tmp_path / "r.json", "--settings", json.dumps({"bpw": 2.0, "device": "cpu"})]
+    else:
+        out = tmp_path / "eval.json"
+        cli, argv = evaluate.cli, ["--teacher", f["teacher.cmf"], "--encoded", f["student.cmf"], "--final", f["student.cmf"],
+                                   "--windows", f["windows.h5"], "--topk", f["topk.0.h5"], "--out", out,
+                                   "--settings", json.dumps({"ood": [], "device": "cpu"})]
+    fails_cleanly(cli, argv, capsys, str(f[culprit]), problem, [out])
+
+
 # ---------------------------------------------------------------- fuzzing --------------------------------------------
 # Bounded: a fixed number of examples, no deadline (CI machines are slow); derandomized so CI is repeatable.
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
