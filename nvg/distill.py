@@ -25,6 +25,7 @@ over the stage's loop; it is any object with
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,32 @@ class Distiller:
         # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
         self.recompute_every = recompute_every if device.type == "cuda" else 0
         self.modes: list = []  # training modes, see the module docstring
+        # the next batch's top-k, read while this one trains (see `prefetch`)
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="topk")
+        self._ahead: tuple[tuple, Future] | None = None
+
+    def prefetch(self, rows) -> None:
+        """Start reading the top-k of `rows` (the next batch) in a background thread, so that the HDF5
+        read and, on CUDA, the copy into pinned memory overlap this step's GPU work instead of
+        stalling the next one."""
+        if self.targets.topk is not None:
+            mine = tuple(self.group.shard(rows))
+            self._ahead = (mine, self._reader.submit(self._read_targets, mine))
+
+    def _read_targets(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, logp = (torch.from_numpy(a) for a in self.targets.topk.read(list(rows)))
+        if self.device.type == "cuda":  # pinned: the host-to-device copy below runs asynchronously
+            ids, logp = ids.pin_memory(), logp.pin_memory()
+        return ids, logp
+
+    def _targets(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        ahead = self._ahead
+        if ahead is not None and ahead[0] == tuple(rows):  # an evaluation in between reads its own rows
+            self._ahead = None
+            t = ahead[1].result()
+        else:
+            t = self._read_targets(rows)
+        return tuple(x.to(self.device, non_blocking=True) for x in t)
 
     def loss(self, rows) -> torch.Tensor:
         """Mean per-token loss over `rows`: the KL, plus the hidden-state term when training against a
@@ -98,7 +125,7 @@ class Distiller:
         with autocast(self.device, self.precision):
             if self.teacher is None:
                 hidden = self.model.hidden(ids, recompute)
-                t_ids, t_logp = (torch.from_numpy(a).to(self.device) for a in self.targets.topk.read(rows))
+                t_ids, t_logp = self._targets(rows)
                 return topk_kl(hidden, self.model.head_weight, t_ids, t_logp, self.tail) / ids.numel()
             if not (training and self.hidden_weight > 0):
                 with torch.no_grad():

@@ -249,6 +249,8 @@ def fit(run: Run) -> None:
             if st.done >= stop:
                 break
             rows = list(range(order[pos] * s.batch, (order[pos] + 1) * s.batch))
+            if pos + 1 < run.n_batches:
+                d.prefetch(range(order[pos + 1] * s.batch, (order[pos + 1] + 1) * s.batch))
             result = d.step(rows, run.opt, lr_shape(st.done + 1, run.total), st.gscale, lr=s.lr, clip=s.clip)
             loss, gn = result["loss"], result["grad_norm"]
             st.epoch, st.pos = epoch, pos + 1

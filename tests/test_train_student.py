@@ -217,3 +217,51 @@ def test_a_planted_pickle_as_training_state_is_refused_and_never_run(stage_input
     with pytest.raises(NvgError, match=f"{state}: not a readable training state"):
         train(stage_inputs, "planted")
     assert not marker.exists()
+
+
+def test_the_next_batch_is_read_ahead_in_a_thread_and_trains_the_same(stage_inputs, monkeypatch):
+    import threading
+
+    from nvg.distill import Distiller
+
+    readers = []
+    read_targets = Distiller._read_targets
+
+    def spy(self, rows):
+        readers.append(threading.current_thread().name)
+        return read_targets(self, rows)
+
+    monkeypatch.setattr(Distiller, "_read_targets", spy)
+    ahead = train(stage_inputs, "read-ahead", epochs=1)
+    assert sum(name.startswith("topk") for name in readers) >= 4, readers  # the next batch came from the thread
+    monkeypatch.setattr(Distiller, "prefetch", lambda self, rows: None)
+    inline = train(stage_inputs, "read-inline", epochs=1)
+    for name, t in inline.tensors.items():
+        assert bytes(ahead.tensors[name].data) == bytes(t.data), name
+
+
+def test_training_memory_for_targets_stays_one_batch_on_a_shard_far_larger(tiny_cmf, stage_inputs, tmp_path):
+    """The top-k shard (k 256) is three times the cap; numpy's traced peak over the whole training loop
+    (each batch's targets, read ahead, and the evaluations' held-out rows) stays under the cap. The
+    shard's opening check streams in slices too (tests/test_teacher_topk.py)."""
+    import shutil
+    import tracemalloc
+
+    from nvg.artifacts import read_windows
+    from nvg.teacher_topk import TopkSettings, main as topk
+    from nvg.train_student import finish, fit, setup
+
+    for name in ("windows.h5", "student.cmf"):
+        shutil.copy(stage_inputs / name, tmp_path / name)
+    topk(tiny_cmf, tmp_path / "windows.h5", 0, tmp_path / "topk.0.h5", load(TopkSettings, k=256, shards=1, batch=8))
+    tokens, _ = read_windows(tmp_path / "windows.h5")
+    shard = tokens.size * 256 * 6
+    run = setup(tmp_path / "student.cmf", tmp_path / "windows.h5", [tmp_path / "topk.0.h5"],
+                load(TrainSettings, epochs=2, batch=8, eval_every=3, state_every=0, state_root=str(tmp_path / "state")))
+    tracemalloc.start()
+    fit(run)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    finish(run, "tiny", tmp_path / "out.cmf", tmp_path / "m.jsonl")
+    assert run.state.done == 2 * run.n_batches
+    assert peak < shard / 3, (peak, shard)
