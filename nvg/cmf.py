@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import struct
@@ -154,11 +155,15 @@ def _read_one(path: Path) -> CmfFile:
 
 
 def _load(path: Path) -> tuple[CmfFile, memoryview]:
-    """One file parsed, and its bytes (which the tensors' payloads view), from a single read."""
+    """One file parsed, and its bytes (which the tensors' payloads view), from a single read. The bytes
+    are a read-only memory map: pages come from the page cache as they are touched and can be dropped
+    again, so an 8B teacher's 16 GB are not held in the process besides the model built from them (nvg
+    replaces files by renaming, never rewrites one in place, so a mapped file does not change under us)."""
     try:
-        raw = memoryview(path.read_bytes())
-    except OSError as e:
-        raise NvgError(f"{path}: cannot read: {e.strerror}") from None
+        with open(path, "rb") as fh:
+            raw = memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)) if os.fstat(fh.fileno()).st_size else memoryview(b"")
+    except (OSError, ValueError) as e:
+        raise NvgError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
     size = len(raw)
     if size < ENVELOPE.size:
         _fail(path, "envelope", 0, f"file is {size} bytes, shorter than the 128-byte envelope")
