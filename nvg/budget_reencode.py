@@ -103,7 +103,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
         "settings": vars(settings), "plan": str(plan_path) if plan_path else None,
         "seconds": time.perf_counter() - t0, "device": str(device),
         "mean_rel_sel_error": float(np.mean(errs)) if errs else None,
-        "body_bpw": totals["body_bpw"], "file_bpw": totals["file_bpw"], "tensors": rows,
+        "body_bpw": totals["body_bpw"], "tensors_bpw": totals["tensors_bpw"], "file_bpw": totals["file_bpw"], "tensors": rows,
     })
     print(f"budget_reencode: {len(rows)} linears, body {totals['body_bpw']:.4f} bpw, file {totals['file_bpw']:.4f} bpw, "
           f"mean rel SEL error {np.mean(errs) if errs else float('nan'):.4f}, {time.perf_counter() - t0:.0f}s → {out}",

@@ -36,7 +36,8 @@ def inspect(path: str) -> None:
     for t in cmf.tensors.values():
         print(f"{t.name:60s} {DTYPE_NAMES[t.dtype]:8s} {str(list(t.shape)):16s} {len(t.data):10d} {8 * len(t.data) / t.numel:7.3f}")
     s = bits_summary(cmf)
-    print(f"body linears: {s['body_bpw']:.4f} bpw over {s['body_weights']} weights; whole file: {s['file_bpw']:.4f} bpw; "
+    print(f"body linears: {s['body_bpw']:.4f} bpw over {s['body_weights']} weights; all tensors: {s['tensors_bpw']:.4f} bpw; "
+          f"whole file: {s['file_bytes']:,} bytes = {s['file_bpw']:.4f} bpw over {s['all_weights']} weights; "
           f"blr tensors: {sum(t.dtype == BLR for t in cmf.tensors.values())}")
 
 

@@ -1,11 +1,14 @@
-"""`nvg export-hf FILE.cmf OUT/`: a dense Hugging Face folder for other tools (lm-eval, vLLM, transformers).
+"""`nvg export-hf FILE.cmf OUT/`: a dense Hugging Face folder that transformers loads.
 
-Every tensor is written dense (BLR dequantised exactly as nvg computes it), with config.json,
-tokenizer.json and tokenizer_config.json (chat template, special tokens). A DTG-MA student whose
-layers have different MLP widths is padded to the widest layer with zero gate/up rows and zero down
-columns, which leaves every output unchanged (silu(0) · 0 = 0).
+Every tensor is written dense (BLR dequantised exactly as nvg computes it) to model.safetensors. The
+config, the generation config and the tokenizer (chat template and special tokens included) are
+written by transformers' own `save_pretrained`, so their keys are the ones the installed transformers
+reads. README.md is a model card: the teacher, the budgets, the training data and, with `--eval`, the
+measured perplexity ratios. A DTG-MA student whose layers have different MLP widths is padded to the
+widest layer with zero gate/up rows and zero down columns, which leaves every output unchanged
+(silu(0) · 0 = 0).
 
-    nvg export-hf results/model.cmf exported/ [--dtype float32|bfloat16|float16]
+    nvg export-hf results/model.cmf exported/ [--dtype float32|bfloat16|float16] [--eval results/eval.json]
 """
 
 from __future__ import annotations
@@ -51,12 +54,15 @@ def pad_mlp(tensors: dict, num_layers: int) -> int:
     return width
 
 
-def hf_config(arch: dict, intermediate: int, tensors: dict, tok_cfg: dict) -> dict:
+def hf_config(arch: dict, intermediate: int, tensors: dict, tok_cfg: dict, dtype: str):
+    """The transformers config of this architecture."""
+    from transformers import AutoConfig
+
     model_type = arch["arch_name"] if arch["arch_name"] in HF_ARCHITECTURES else "llama"
     if model_type == "llama" and "model.layers.0.self_attn.q_norm.weight" in tensors:
         model_type = "qwen3"
     cfg = {
-        "architectures": [HF_ARCHITECTURES[model_type]], "model_type": model_type,
+        "architectures": [HF_ARCHITECTURES[model_type]],
         "hidden_size": arch["hidden_size"], "intermediate_size": intermediate, "num_hidden_layers": arch["num_layers"],
         "num_attention_heads": arch["num_attention_heads"], "num_key_value_heads": arch["num_kv_heads"],
         "head_dim": arch["head_dim"], "vocab_size": arch["vocab_size"], "rms_norm_eps": arch["rms_norm_eps"],
@@ -68,27 +74,60 @@ def hf_config(arch: dict, intermediate: int, tensors: dict, tok_cfg: dict) -> di
         cfg["bos_token_id"] = tok_cfg["bos_token_id"]
     if tok_cfg.get("eos_token_ids"):
         cfg["eos_token_id"] = tok_cfg["eos_token_ids"][0]
-    return cfg
+    if tok_cfg.get("pad_token_id") is not None:
+        cfg["pad_token_id"] = tok_cfg["pad_token_id"]
+    return AutoConfig.for_model(model_type, **cfg, dtype=dtype)
 
 
-def hf_tokenizer_config(vocab: bytes, tok_cfg: dict) -> dict:
-    """tokenizer_config.json: special tokens by name and the chat template, from the CMF header."""
+def hf_tokenizer(vocab: bytes, tok_cfg: dict):
+    """The tokenizer with its special tokens by name and the chat template, from the CMF header."""
     from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_str(vocab.decode("utf-8"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    special = {}
     if tok_cfg.get("eos_token_ids"):
-        config["eos_token"] = tok.id_to_token(tok_cfg["eos_token_ids"][0])
+        special["eos_token"] = tok.id_to_token(tok_cfg["eos_token_ids"][0])
     for key, name in (("bos_token_id", "bos_token"), ("pad_token_id", "pad_token")):
         if tok_cfg.get(key) is not None:
-            config[name] = tok.id_to_token(tok_cfg[key])
-    if tok_cfg.get("chat_template"):
-        config["chat_template"] = tok_cfg["chat_template"]
-    return config
+            special[name] = tok.id_to_token(tok_cfg[key])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False,
+                                   chat_template=tok_cfg.get("chat_template"), **special)
 
 
-def main(source: Path, out: Path, dtype: str = "float32") -> None:
+def model_card(cmf, source: Path, evaluation: dict | None) -> str:
+    """README.md: what this model is, where it came from and how close it is to its teacher."""
+    from nvg.layout import bits_summary
+
+    prov = cmf.header.get("provenance", {})
+    enc, train = prov.get("nvg_encode", {}), prov.get("nvg_train", {})
+    bits = bits_summary(cmf)
+    teacher = train.get("teacher") or prov.get("nvg_import", {}).get("source", "?")
+    lines = ["---", "library_name: transformers", "tags: [nvg, binary-low-rank, distillation]", "---", "",
+             f"# {Path(str(teacher)).name} at {enc.get('bpw', '?')} bits per weight (nvg)", "",
+             f"Exported by `nvg export-hf` from `{source.name}` ({bits['file_bytes']:,} bytes as CMF: "
+             f"{bits['body_bpw']:.3f} bits per weight in the body linears, {bits['file_bpw']:.3f} over the whole file). "
+             "The weights here are dense: every binary low-rank linear expanded exactly as nvg computes it.", "",
+             "| | |", "|---|---|",
+             f"| teacher | `{teacher}` (content hash {enc.get('teacher_hash', '?')}) |",
+             f"| budget | {enc.get('bpw', '?')} bpw, encoder {enc.get('method', '?')}, embedding {enc.get('embedding', 'f16')}"
+             f"{', plan ' + enc['plan'] if enc.get('plan') else ''} |"]
+    if train:
+        lines.append(f"| training | {train.get('steps')} steps, {train.get('tokens'):,} tokens of {train.get('window')}-token "
+                     f"windows, targets {train.get('targets')}, held-out KL {train.get('heldout_kl_start', 0):.4f} → "
+                     f"{train.get('heldout_kl_best', 0):.4f} |")
+    if evaluation:
+        sets = {"held-out calibration text": evaluation["heldout"], **evaluation.get("ood", {})}
+        lines += ["", "Perplexity against the teacher (`nvg evaluate`):", "",
+                  "| text | teacher | this model | ratio |", "|---|---|---|---|"]
+        lines += [f"| {name} | {s['teacher']['perplexity']:.2f} | {s['final']['perplexity']:.2f} | {s['final']['ppl_ratio']:.2f}× |"
+                  for name, s in sets.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(source: Path, out: Path, dtype: str = "float32", evaluation: Path | None = None) -> None:
     from safetensors.torch import save_file
+    from transformers import GenerationConfig
 
     cmf = read_cmf(source)
     if not cmf.vocab:
@@ -97,6 +136,13 @@ def main(source: Path, out: Path, dtype: str = "float32") -> None:
     tensors = dense_tensors(cmf)
     width = pad_mlp(tensors, arch["num_layers"])
     tok_cfg = cmf.header.get("tokenizer_config", {})
+    report = None
+    if evaluation is not None:
+        try:
+            report = json.loads(evaluation.read_text())
+            report["heldout"]["final"]["ppl_ratio"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise NvgError(f"{evaluation}: not an eval.json of nvg evaluate ({type(e).__name__}: {e})") from None
     if out.exists() and any(out.iterdir()):
         raise NvgError(f"{out}: exists and is not empty; export-hf writes a new folder")
     final, out = out, out.with_name(f".{out.name}.tmp{os.getpid()}")  # renamed into place when complete
@@ -105,9 +151,15 @@ def main(source: Path, out: Path, dtype: str = "float32") -> None:
     try:
         save_file({n: t.to(getattr(torch, dtype)).contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"),
                   metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps({**hf_config(arch, width, tensors, tok_cfg), "torch_dtype": dtype}, indent=1))
-        (out / "tokenizer.json").write_bytes(cmf.vocab)
-        (out / "tokenizer_config.json").write_text(json.dumps(hf_tokenizer_config(cmf.vocab, tok_cfg), indent=1))
+        config = hf_config(arch, width, tensors, tok_cfg, dtype)
+        config.save_pretrained(out)
+        GenerationConfig.from_model_config(config).save_pretrained(out)
+        hf_tokenizer(cmf.vocab, tok_cfg).save_pretrained(out)
+        (out / "README.md").write_text(model_card(cmf, source, report))
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in out.iterdir():  # as any other file the user writes (safetensors' writer makes 0600)
+            f.chmod(0o666 & ~umask)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -122,9 +174,11 @@ def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg export-hf", description=__doc__.splitlines()[0])
     ap.add_argument("file", type=Path)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="of the written weights and config.json's dtype (default: %(default)s)")
+    ap.add_argument("--eval", type=Path, help="an eval.json of this model: its perplexity ratios go into the model card")
     a = ap.parse_args(argv)
-    main(a.file, a.out, a.dtype)
+    main(a.file, a.out, a.dtype, a.eval)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ included, never from a nominal rate."""
 
 from __future__ import annotations
 
+from nvg.cmf import SHARD_NAME
+
 BODY_ROLES = {
     "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
     "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
@@ -24,8 +26,19 @@ def parse_body_linear(name: str) -> tuple[int, str] | None:
     return None
 
 
+def _file_bytes(cmf) -> int:
+    """The file's size on disk, every shard of a sharded file included."""
+    m = SHARD_NAME.match(cmf.path.name)
+    if not m:
+        return cmf.path.stat().st_size
+    count = int(m["count"])
+    return sum(cmf.path.with_name(f"{m['base']}-{k:05d}-of-{count:05d}.cmf").stat().st_size for k in range(1, count + 1))
+
+
 def bits_summary(cmf) -> dict:
-    """Bits per weight counted from stored bytes: of the body linears, and of the whole file's tensors."""
+    """Bits per weight counted from stored bytes: of the body linears (`body_bpw`), of all tensors
+    (`tensors_bpw`), and of the whole file, header, tokenizer and padding included (`file_bpw`: what a
+    user's disk and download see), all over the model's weights."""
     body_bytes = body_weights = all_bytes = all_weights = 0
     for t in cmf.tensors.values():
         all_bytes += len(t.data)
@@ -35,7 +48,9 @@ def bits_summary(cmf) -> dict:
             body_weights += t.numel
     return {
         "body_bpw": 8 * body_bytes / max(1, body_weights),
-        "file_bpw": 8 * all_bytes / max(1, all_weights),
+        "tensors_bpw": 8 * all_bytes / max(1, all_weights),
+        "file_bpw": 8 * _file_bytes(cmf) / max(1, all_weights),
+        "file_bytes": _file_bytes(cmf),
         "body_weights": body_weights,
         "all_weights": all_weights,
     }

@@ -234,6 +234,9 @@ def test_cli_inspect_and_verify(tmp_path, capsys):
     assert "d.blr" in out and "blr" in out and json.dumps(ARCH["arch_name"]) in out
     header_text = out[out.index("{") : out.index("\nname ")]
     assert json.loads(header_text)["nvg_blake2b"]["tensors"] == "<4 digests>"  # whole, valid JSON
+    weights = sum(t.numel for t in read_cmf(p).tensors.values())
+    size = p.stat().st_size  # header, directory, vocab and padding included
+    assert f"whole file: {size:,} bytes = {8 * size / weights:.4f} bpw over {weights} weights" in out
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("nvg 0.1.0 (torch ")

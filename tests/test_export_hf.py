@@ -37,6 +37,36 @@ def test_blr_student_logits_match_transformers(blr_student, tmp_path):
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
 
 
+def test_the_folder_has_a_generation_config_a_model_card_and_ordinary_file_modes(blr_student, tiny_stages, tmp_path):
+    import json
+    import os
+
+    from transformers import AutoConfig, GenerationConfig
+
+    evaluation = {"heldout": {"teacher": {"perplexity": 10.0}, "final": {"perplexity": 25.0, "ppl_ratio": 2.5}},
+                  "ood": {"python-docs": {"teacher": {"perplexity": 12.0}, "final": {"perplexity": 120.0, "ppl_ratio": 10.0}}}}
+    (tmp_path / "eval.json").write_text(json.dumps(evaluation))
+    export_hf(blr_student, tmp_path / "hf", "bfloat16", tmp_path / "eval.json")
+    hf = tmp_path / "hf"
+    config = json.loads((hf / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and "torch_dtype" not in config  # the key today's transformers writes
+    assert AutoConfig.from_pretrained(hf).eos_token_id == GenerationConfig.from_pretrained(hf).eos_token_id == 2
+    card = (hf / "README.md").read_text()
+    assert "2.0 bpw" in card and "| python-docs | 12.00 | 120.00 | 10.00× |" in card and "tiny_hf" in card
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in hf.iterdir()} == {f.name: 0o666 & ~umask for f in hf.iterdir()}
+
+
+def test_an_eval_json_that_is_not_one_is_one_line(blr_student, tmp_path, capsys):
+    from nvg.export_hf import cli
+    from tests.conftest import fails_cleanly
+
+    (tmp_path / "eval.json").write_text('{"heldout": {}}')
+    fails_cleanly(cli, [blr_student, tmp_path / "hf", "--eval", tmp_path / "eval.json"], capsys, "eval.json",
+                  "not an eval.json of nvg evaluate", [tmp_path / "hf"])
+
+
 def test_uneven_mlp_widths_are_padded_exactly(blr_student, tmp_path):
     cmf = read_cmf(blr_student)
     keep = np.arange(0, 128, 2)  # layer 0 keeps 64 of 128 neurons, layer 1 all 128
