@@ -123,11 +123,10 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(cmfs["teacher"].vocab.decode("utf-8"))
-        template = cmfs["teacher"].header.get("tokenizer_config", {}).get("chat_template")
         window = tokens.shape[1]
         report["ood"] = {}
         for source in settings.ood:
-            ids = source_tokens(source, settings.ood_tokens, tok, ChatRenderer(template, source))
+            ids = source_tokens(source, settings.ood_tokens, tok, ChatRenderer(cmfs["teacher"], source))
             ood = ids[: len(ids) // window * window].reshape(-1, window)
             if len(ood) == 0:
                 raise NvgError(f"{source}: fewer than one {window}-token window of out-of-domain text")

@@ -25,6 +25,7 @@ import torch
 from nvg import blr as codec
 from nvg.cmf import BLR, read_cmf, tensor_to_numpy
 from nvg.errors import NvgError, exits_cleanly
+from nvg.tokenizer import hf_tokenizer
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -77,22 +78,6 @@ def hf_config(arch: dict, intermediate: int, tensors: dict, tok_cfg: dict, dtype
     if tok_cfg.get("pad_token_id") is not None:
         cfg["pad_token_id"] = tok_cfg["pad_token_id"]
     return AutoConfig.for_model(model_type, **cfg, dtype=dtype)
-
-
-def hf_tokenizer(vocab: bytes, tok_cfg: dict):
-    """The tokenizer with its special tokens by name and the chat template, from the CMF header."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer.from_str(vocab.decode("utf-8"))
-    special = {}
-    if tok_cfg.get("eos_token_ids"):
-        special["eos_token"] = tok.id_to_token(tok_cfg["eos_token_ids"][0])
-    for key, name in (("bos_token_id", "bos_token"), ("pad_token_id", "pad_token")):
-        if tok_cfg.get(key) is not None:
-            special[name] = tok.id_to_token(tok_cfg[key])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False,
-                                   chat_template=tok_cfg.get("chat_template"), **special)
 
 
 def model_card(cmf, source: Path, evaluation: dict | None) -> str:
@@ -154,7 +139,7 @@ def main(source: Path, out: Path, dtype: str = "float32", evaluation: Path | Non
         config = hf_config(arch, width, tensors, tok_cfg, dtype)
         config.save_pretrained(out)
         GenerationConfig.from_model_config(config).save_pretrained(out)
-        hf_tokenizer(cmf.vocab, tok_cfg).save_pretrained(out)
+        hf_tokenizer(cmf).save_pretrained(out)
         (out / "README.md").write_text(model_card(cmf, source, report))
         umask = os.umask(0)
         os.umask(umask)

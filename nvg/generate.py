@@ -52,8 +52,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
 def prompt_ids(cmf, tokenizer, prompt: str, chat: bool) -> list[int]:
     """The prompt's token ids; with `chat`, one user message rendered with the model's template."""
     if chat:
-        template = cmf.header.get("tokenizer_config", {}).get("chat_template")
-        prompt = ChatRenderer(template, cmf.path)([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        prompt = ChatRenderer(cmf, cmf.path)([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return tokenizer.encode(prompt, add_special_tokens=False).ids
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from nvg.errors import NvgError
+from nvg.tokenizer import hf_tokenizer
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".jsonl", ".json"}
 PYTHON_DOCS = "python-docs"
@@ -34,18 +35,19 @@ def resolve_path(spec: str) -> Path:
 
 
 class ChatRenderer:
-    """Renders chat `messages` with the teacher's template so special tokens get their real ids."""
+    """Renders chat `messages` with the model's template through the tokenizer's own
+    `apply_chat_template` (bos/eos tokens and the template's other variables as transformers gives them),
+    so special tokens get their real ids. The tokenizer is built on the first chat record."""
 
-    def __init__(self, template: str | None, source):
-        self.template, self.source = template, source
+    def __init__(self, cmf, source):
+        self.cmf, self.source, self.tokenizer = cmf, source, None
 
     def __call__(self, messages, add_generation_prompt: bool = False) -> str:
-        if not self.template:
+        if not self.cmf.header.get("tokenizer_config", {}).get("chat_template"):
             raise NvgError(f"{self.source}: chat messages found but the teacher has no chat_template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+        if self.tokenizer is None:
+            self.tokenizer = hf_tokenizer(self.cmf)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def source_files(spec: str) -> list[Path]:

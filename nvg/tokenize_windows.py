@@ -65,13 +65,12 @@ def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Pat
     max_pos = cmf.arch["max_position_embeddings"]
     if settings.window > max_pos:
         raise NvgError(f"config data.window: {settings.window} exceeds the teacher's max_position_embeddings {max_pos}")
-    template = cmf.header.get("tokenizer_config", {}).get("chat_template")
     want = settings.tokens + settings.eval_windows * settings.window
     budgets = split_budget([float(s.get("weight", 1.0)) for s in settings.sources], want)
     corpus = read_corpus(list(generated), model_hash(cmf)) if generated else None
     windows = []
     for src, budget in zip(settings.sources, budgets):
-        w = source_windows(src["path"], budget, settings.window, tokenizer, ChatRenderer(template, src["path"]), corpus)
+        w = source_windows(src["path"], budget, settings.window, tokenizer, ChatRenderer(cmf, src["path"]), corpus)
         if len(w) == 0:
             raise NvgError(f"{src['path']}: not one {settings.window}-token window in its {budget}-token share "
                            "(the source is too short, or its weight too small for data.tokens)")

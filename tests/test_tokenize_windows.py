@@ -85,3 +85,23 @@ def test_bad_sources_are_one_clear_error(tiny_cmf, tiny_corpus, tmp_path, kw, me
 def test_settings_are_validated_with_the_key_named(text, message):
     with pytest.raises(NvgError, match=message):
         load(WindowSettings, text)
+
+
+def test_chat_records_render_through_the_tokenizers_own_template_with_bos_and_eos(tiny_cmf, tmp_path):
+    """A Llama-3-style template that names `bos_token` and `eos_token` (the old hand-rolled renderer
+    gave both as empty strings): the tokens appear, as transformers renders them."""
+    from nvg.cmf import write_cmf
+    from nvg.sources import ChatRenderer
+
+    cmf = read_cmf(tiny_cmf)
+    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    header = {**cmf.header, "tokenizer_config": {**cmf.header["tokenizer_config"], "chat_template": template}}
+    write_cmf(tmp_path / "llama3.cmf", header, list(cmf.tensors.values()), cmf.vocab)
+    render = ChatRenderer(read_cmf(tmp_path / "llama3.cmf"), "chat.jsonl")
+    assert render([{"role": "user", "content": "hi"}]) == "<|im_start|>user: hi<|im_end|>"
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "the cat sat " * 40}]}) + "\n")
+    main(tmp_path / "llama3.cmf", tmp_path / "w.h5", load(WindowSettings, sources=[{"path": str(tmp_path / "chat.jsonl")}],
+                                                           tokens=64, window=32, eval_windows=1))
+    tokens, _ = read_windows(tmp_path / "w.h5")
+    bos = Tokenizer.from_str(cmf.vocab.decode("utf-8")).token_to_id("<|im_start|>")
+    assert bos in tokens  # the special token's own id, not its characters
