@@ -47,7 +47,7 @@ def main():
             seconds = time.perf_counter() - t0
             report = json.loads((a.workdir / f"{name}.json").read_text())
             student = load_model(a.workdir / f"{name}.cmf", device)
-            s = score({"teacher": teacher, "student": student}, heldout, None, None, load(EvalSettings, batch=8), device, 64)
+            s = score({"teacher": teacher, "student": student}, heldout, None, None, load(EvalSettings, batch=8), device, 64, "held-out")
             results["runs"][name] = {
                 "bpw": bpw, "method": method, "encode_seconds": seconds, "body_bpw": report["body_bpw"],
                 "file_bpw": report["file_bpw"], "mean_rel_sel_error": report["mean_rel_sel_error"],

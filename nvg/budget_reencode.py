@@ -26,6 +26,7 @@ from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
 from nvg.model import pick_device
+from nvg.progress import bar
 from nvg.plan import read_plan
 from nvg.settings import load
 
@@ -57,7 +58,8 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     device = pick_device(settings.device)
     t0 = time.perf_counter()
     payloads, rows = {}, {}
-    for name in body:
+    pb = bar(len(body), "budget_reencode", "tensor", body)
+    for name in pb:
         layer, role = parse_body_linear(name)
         bpw = budgets[name]
         shape = t_cmf.tensors[name].shape
@@ -73,8 +75,9 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
         blr, row = encode_tensor(W, H_fit, H_sel, bpw, role, arch["head_dim"], settings, device, name)
         payloads[name] = blr.encode()
         rows[name] = row
-        print(f"  {name}: P={row['paths']} r={row['rank']} {row['bpw']:.4f} bpw, rel SEL error {row['rel_sel_error']:.4f}",
-              file=sys.stderr)
+        pb.write(f"  {name}: P={row['paths']} r={row['rank']} {row['bpw']:.4f} bpw, rel SEL error {row['rel_sel_error']:.4f}",
+                 file=sys.stderr)
+    pb.close()
     base = s_cmf or t_cmf
     tensors = []
     for name, t in base.tensors.items():

@@ -4,6 +4,7 @@
     nvg verify FILE.cmf       every hash; exit 1 on any mismatch
     nvg export-hf FILE OUT/   a dense Hugging Face folder (config, safetensors, tokenizer)
     nvg generate FILE PROMPT  text from any CMF, greedy or sampled, --chat for the chat template
+    nvg progress [DIR]        each stage's status, time and latest progress line, from DIR/logs
     nvg <stage> ...           the same as `python -m nvg.<stage> ...`
     nvg --version             nvg's and torch's versions
 """
@@ -52,6 +53,8 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("inspect", help="header, tensors and bits per weight of a CMF").add_argument("file")
     sub.add_parser("verify", help="check every hash of a CMF").add_argument("file")
+    sub.add_parser("progress", help="each stage's status, time and latest progress line (running or finished workflow)") \
+        .add_argument("directory", nargs="?", default=".", help="the workflow's folder (default: here)")
     for s in STAGES:
         sub.add_parser(s.replace("_", "-"), help=f"pipeline stage {s} (python -m nvg.{s})")
     sub.add_parser("export-hf", help="a dense Hugging Face folder from a CMF")
@@ -59,6 +62,12 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.cmd == "inspect":
         inspect(a.file)
+    elif a.cmd == "progress":
+        from pathlib import Path
+
+        from nvg.progress import print_states
+
+        print_states(Path(a.directory), STAGES)
     elif a.cmd == "verify":
         problems = verify(a.file)
         for p in problems:

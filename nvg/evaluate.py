@@ -30,6 +30,7 @@ from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import bits_summary
 from nvg.losses import next_token_nll, student_scores, topk_kl, topk_logprobs
 from nvg.model import autocast, compile_blocks, load_model, pick_device
+from nvg.progress import bar
 from nvg.settings import load
 from nvg.sources import ChatRenderer, source_tokens
 
@@ -47,14 +48,14 @@ class EvalSettings:
 
 
 @torch.no_grad()
-def score(models: dict, windows: np.ndarray, t_ids, t_logp, settings: EvalSettings, device, k: int) -> dict:
+def score(models: dict, windows: np.ndarray, t_ids, t_logp, settings: EvalSettings, device, k: int, label: str) -> dict:
     """Per model: ppl, full KL to the teacher, top-k KL (when targets are given), top-1 agreement; and the
     teacher's probability mass outside its own top-k (what top-k distillation never shows the student)."""
     acc = {n: {"nll": 0.0, "kl_full": 0.0, "kl_topk": 0.0, "agree": 0} for n in models}
     tail = 0.0
     n_pred = n_tok = 0
     teacher = models["teacher"]
-    for s in range(0, len(windows), settings.batch):
+    for s in bar(math.ceil(len(windows) / settings.batch), f"evaluate {label}", "batch", range(0, len(windows), settings.batch)):
         ids = torch.from_numpy(windows[s : s + settings.batch]).to(device)
         with autocast(device, settings.precision):
             t_hidden = teacher.hidden(ids)
@@ -118,7 +119,7 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
     reader.close()
     device = pick_device(settings.device)
     models = {n: compile_blocks(load_model(c, device)) for n, c in cmfs.items()}
-    report = {"heldout": score(models, tokens[n_train:], t_ids, t_logp, settings, device, reader.k)}
+    report = {"heldout": score(models, tokens[n_train:], t_ids, t_logp, settings, device, reader.k, "held-out")}
     if settings.ood:
         from tokenizers import Tokenizer
 
@@ -130,7 +131,7 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
             ood = ids[: len(ids) // window * window].reshape(-1, window)
             if len(ood) == 0:
                 raise NvgError(f"{source}: fewer than one {window}-token window of out-of-domain text")
-            report["ood"][source] = score(models, ood, None, None, settings, device, reader.k)
+            report["ood"][source] = score(models, ood, None, None, settings, device, reader.k, source)
     report["files"] = {n: {"path": str(c.path), "bytes": c.path.stat().st_size, **bits_summary(c)} for n, c in cmfs.items()}
     report["training_tokens"] = cmfs["final"].header.get("provenance", {}).get("nvg_train", {}).get("tokens")
     report["stage_seconds"] = stage_seconds(benchmarks)

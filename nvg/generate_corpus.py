@@ -30,6 +30,7 @@ from nvg.cmf import read_verified
 from nvg.decoding import Decoder
 from nvg.errors import NvgError, exits_cleanly
 from nvg.model import load_model, pick_device
+from nvg.progress import bar
 from nvg.settings import load
 
 
@@ -72,7 +73,7 @@ def sample_sequences(decoder: Decoder, firsts: np.ndarray, s: CorpusSettings, la
     argmax tokens, then draws."""
     batch, device = decoder.batch, decoder.device
     tokens = np.zeros((len(firsts), s.length), dtype=np.int32)
-    t0 = time.perf_counter()
+    pb = bar(len(firsts), label, "seq")
     for start in range(0, len(firsts), batch):
         n = min(batch, len(firsts) - start)
         first = torch.from_numpy(firsts[start : start + n]).to(device)
@@ -82,8 +83,8 @@ def sample_sequences(decoder: Decoder, firsts: np.ndarray, s: CorpusSettings, la
             tok = decoder.next_ids(tok, t, greedy=t < s.greedy_prefix)
             seq.append(tok)
         tokens[start : start + n] = torch.stack(seq, 1)[:n].cpu().numpy()
-        print(f"{label}: {start + n}/{len(firsts)} sequences, "
-              f"{(start + n) * s.length / (time.perf_counter() - t0):.0f} tok/s", file=sys.stderr)
+        pb.update(n)
+    pb.close()
     return tokens
 
 

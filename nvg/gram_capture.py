@@ -24,6 +24,7 @@ from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import BODY_ROLES, ROLE_INPUT
 from nvg.model import autocast, load_model, pick_device
+from nvg.progress import bar
 from nvg.settings import load
 
 # one hook per distinct input: the first role that reads it (linears sharing an input share its Gram)
@@ -42,7 +43,7 @@ class GramSettings:
     precision: str
 
 
-def capture(model, tokens: np.ndarray, device, batch: int, precision: str) -> tuple[dict, int]:
+def capture(model, tokens: np.ndarray, device, batch: int, precision: str, label: str) -> tuple[dict, int]:
     """{(layer, input): H float32 [n, n]} over all tokens, and the token count."""
     grams: dict = {}
     hooks = []
@@ -58,9 +59,10 @@ def capture(model, tokens: np.ndarray, device, batch: int, precision: str) -> tu
 
             hooks.append(module.register_forward_pre_hook(hook))
     try:
-        with torch.no_grad(), autocast(device, precision):
+        with torch.no_grad(), autocast(device, precision), bar(len(tokens), label, "window") as pb:
             for s in range(0, len(tokens), batch):
                 model.hidden(torch.from_numpy(tokens[s : s + batch]).to(device))
+                pb.update(len(tokens[s : s + batch]))
     finally:
         for h in hooks:
             h.remove()
@@ -78,8 +80,8 @@ def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> 
     model = load_model(cmf, device)
     fit = tokens[: settings.fit_windows]
     sel = tokens[settings.fit_windows : settings.fit_windows + settings.sel_windows]
-    g_fit, c_fit = capture(model, fit, device, settings.batch, settings.precision)
-    g_sel, c_sel = capture(model, sel, device, settings.batch, settings.precision)
+    g_fit, c_fit = capture(model, fit, device, settings.batch, settings.precision, "gram_capture FIT")
+    g_sel, c_sel = capture(model, sel, device, settings.batch, settings.precision, "gram_capture SEL")
     write_grams(out, g_fit, g_sel, c_fit, c_sel, {"model": str(model_path), "model_hash": model_hash(cmf), "windows_hash": attrs["tokens_blake2b"],
                                                   "inputs": sorted(set(ROLE_INPUT.values()))})
     print(f"gram_capture: {len(g_fit)} Grams ({c_fit} FIT + {c_sel} SEL tokens) on {device} → {out}", file=sys.stderr)

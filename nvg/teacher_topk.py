@@ -23,6 +23,7 @@ from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.losses import topk_logprobs
 from nvg.model import autocast, compile_blocks, load_model, pick_device
+from nvg.progress import bar
 from nvg.settings import load
 
 
@@ -56,16 +57,15 @@ def main(teacher: Path, windows: Path, shard: int, out: Path, settings: TopkSett
     window, k = tokens.shape[1], settings.k
     t0, done = time.perf_counter(), 0
     attrs = {"k": k, "teacher_hash": model_hash(cmf), "windows_hash": w_attrs["tokens_blake2b"]}
-    with topk_shard(out, rows, window, k, attrs) as shard_file:
+    with topk_shard(out, rows, window, k, attrs) as shard_file, bar(len(rows), f"teacher_topk shard {shard}", "window") as pb:
         for s in range(0, len(rows), settings.batch):
             ids = torch.from_numpy(tokens[rows[s : s + settings.batch]]).to(device, non_blocking=True)
             with torch.no_grad(), autocast(device, settings.precision):
                 top_ids, top_logp = topk_logprobs(model.hidden(ids), model.head_weight, k)
             shard_file.write(s, top_ids.cpu().numpy(), top_logp.half().cpu().numpy())
             done += ids.numel()
-            print(f"\rteacher_topk shard {shard}: {s + len(ids)}/{len(rows)} windows, "
-                  f"{done / (time.perf_counter() - t0):.0f} tok/s", end="", file=sys.stderr)
-    print(f"\nteacher_topk: shard {shard}/{settings.shards}: {len(rows)} windows, {done} tokens, "
+            pb.update(len(ids))
+    print(f"teacher_topk: shard {shard}/{settings.shards}: {len(rows)} windows, {done} tokens, "
           f"{done / (time.perf_counter() - t0):.0f} tok/s on {device} → {out}", file=sys.stderr)
 
 
