@@ -28,7 +28,7 @@ from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
 from nvg.model import pick_device
 from nvg.progress import bar
 from nvg.plan import read_plan
-from nvg.settings import load
+from nvg.settings import SETTINGS_HELP, load
 
 VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # `encode.embedding` sets their format
 EMBEDDING_DTYPES = {"q8_row": Q8_ROW, "q4_block": Q4_BLOCK}
@@ -116,13 +116,13 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg budget-reencode", description=__doc__.splitlines()[0])
-    ap.add_argument("--teacher", required=True, type=Path)
-    ap.add_argument("--grams", required=True, type=Path)
-    ap.add_argument("--plan", type=Path, default=None)
-    ap.add_argument("--student", type=Path, default=None)
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--report", required=True, type=Path)
-    ap.add_argument("--settings", required=True)
+    ap.add_argument("--teacher", required=True, type=Path, help="the teacher CMF (results/teacher.cmf)")
+    ap.add_argument("--grams", required=True, type=Path, help="the input Grams (results/grams/teacher.h5, or student.h5 when re-encoding a student)")
+    ap.add_argument("--plan", type=Path, default=None, help="a budget plan: per-layer / per-tensor bits per weight (README, 'Your own budget')")
+    ap.add_argument("--student", type=Path, default=None, help="a student CMF to re-encode: tensors whose budget is unchanged are kept byte for byte")
+    ap.add_argument("--out", required=True, type=Path, help="the encoded student CMF")
+    ap.add_argument("--report", required=True, type=Path, help="the per-tensor encoding report (JSON: rank, paths, bpw, SEL error)")
+    ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     a = ap.parse_args(argv)
     main(a.teacher, a.grams, a.out, a.report, load(EncodeSettings, a.settings), a.plan, a.student)
 

@@ -51,8 +51,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="nvg", description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="version", version=f"nvg {version('nvg')} (torch {version('torch')})")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("inspect", help="header, tensors and bits per weight of a CMF").add_argument("file")
-    sub.add_parser("verify", help="check every hash of a CMF").add_argument("file")
+    sub.add_parser("inspect", help="header, tensors and bits per weight of a CMF").add_argument("file", help="a CMF file")
+    sub.add_parser("verify", help="check every hash of a CMF").add_argument("file", help="a CMF file (or the first shard)")
     sub.add_parser("progress", help="each stage's status, time and latest progress line (running or finished workflow)") \
         .add_argument("directory", nargs="?", default=".", help="the workflow's folder (default: here)")
     for s in STAGES:

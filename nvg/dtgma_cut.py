@@ -29,7 +29,7 @@ from nvg.cmf import BLR, Tensor, dense_tensor, read_verified, tensor_to_numpy, w
 from nvg.distill import Distiller, Targets
 from nvg.errors import exits_cleanly
 from nvg.model import load_model, pick_device
-from nvg.settings import check, load
+from nvg.settings import SETTINGS_HELP, check, load
 
 
 @dataclass
@@ -167,11 +167,11 @@ def main(student: Path, windows: Path, topk: list[Path], out: Path, s: DtgmaSett
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg dtgma-cut", description=__doc__.splitlines()[0])
-    ap.add_argument("--student", required=True, type=Path)
-    ap.add_argument("--windows", required=True, type=Path)
-    ap.add_argument("--topk", required=True, type=Path, nargs="+")
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--settings", required=True)
+    ap.add_argument("--student", required=True, type=Path, help="the encoded student CMF whose MLP neurons are gated and cut")
+    ap.add_argument("--windows", required=True, type=Path, help="the token windows (results/data/windows.h5)")
+    ap.add_argument("--topk", required=True, type=Path, nargs="+", help="the teacher's top-k shards (results/teacher/topk.*.h5)")
+    ap.add_argument("--out", required=True, type=Path, help="the cut student CMF")
+    ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     a = ap.parse_args(argv)
     main(a.student, a.windows, a.topk, a.out, load(DtgmaSettings, a.settings))
 

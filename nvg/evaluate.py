@@ -31,7 +31,7 @@ from nvg.layout import bits_summary
 from nvg.losses import next_token_nll, student_scores, topk_kl, topk_logprobs
 from nvg.model import autocast, compile_blocks, load_model, pick_device
 from nvg.progress import bar
-from nvg.settings import load
+from nvg.settings import SETTINGS_HELP, load
 from nvg.sources import ChatRenderer, source_tokens
 
 
@@ -150,11 +150,12 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg evaluate", description=__doc__.splitlines()[0])
-    for name in ("teacher", "encoded", "final", "windows", "out"):
-        ap.add_argument(f"--{name}", required=True, type=Path)
-    ap.add_argument("--topk", required=True, type=Path, nargs="+")
-    ap.add_argument("--benchmarks", type=Path, nargs="*", default=[])
-    ap.add_argument("--settings", required=True)
+    for name, what in (("teacher", "the teacher CMF"), ("encoded", "the student before training"), ("final", "the trained student"),
+                       ("windows", "the token windows (their held-out rows are scored)"), ("out", "eval.json")):
+        ap.add_argument(f"--{name}", required=True, type=Path, help=what)
+    ap.add_argument("--topk", required=True, type=Path, nargs="+", help="the teacher's top-k shards (results/teacher/topk.*.h5)")
+    ap.add_argument("--benchmarks", type=Path, nargs="*", default=[], help="Snakemake benchmark TSVs: their wall times go into eval.json")
+    ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     a = ap.parse_args(argv)
     main(a.teacher, a.encoded, a.final, a.windows, a.topk, a.out, load(EvalSettings, a.settings), a.benchmarks)
 

@@ -49,8 +49,8 @@ def main(trained: Path, out: Path, pipeline_settings: dict) -> None:
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg export", description=__doc__.splitlines()[0])
-    ap.add_argument("--trained", required=True, type=Path)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--trained", required=True, type=Path, help="the trained student CMF")
+    ap.add_argument("--out", required=True, type=Path, help="results/model.cmf: the trained student with the pipeline's provenance and fresh hashes")
     ap.add_argument("--settings", required=True, help="the pipeline's settings (JSON), recorded as provenance")
     a = ap.parse_args(argv)
     main(a.trained, a.out, json.loads(a.settings))

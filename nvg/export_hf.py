@@ -157,8 +157,8 @@ def main(source: Path, out: Path, dtype: str = "float32", evaluation: Path | Non
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg export-hf", description=__doc__.splitlines()[0])
-    ap.add_argument("file", type=Path)
-    ap.add_argument("out", type=Path)
+    ap.add_argument("file", type=Path, help="the CMF to export (a student or a teacher)")
+    ap.add_argument("out", type=Path, help="a new folder (must not exist or be empty)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="of the written weights and config.json's dtype (default: %(default)s)")
     ap.add_argument("--eval", type=Path, help="an eval.json of this model: its perplexity ratios go into the model card")

@@ -79,8 +79,8 @@ def main(source: Path, prompt: str, max_new_tokens: int = 64, temperature: float
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg generate", description=__doc__.splitlines()[0])
-    ap.add_argument("file", type=Path)
-    ap.add_argument("prompt")
+    ap.add_argument("file", type=Path, help="any CMF (student or teacher)")
+    ap.add_argument("prompt", help="the text to continue (or, with --chat, the user's message)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default 64)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     ap.add_argument("--chat", action="store_true", help="apply the model's chat template; print the reply alone")

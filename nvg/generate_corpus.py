@@ -31,7 +31,7 @@ from nvg.decoding import Decoder
 from nvg.errors import NvgError, exits_cleanly
 from nvg.model import load_model, pick_device
 from nvg.progress import bar
-from nvg.settings import load
+from nvg.settings import SETTINGS_HELP, load
 
 
 @dataclass
@@ -115,10 +115,10 @@ def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg generate-corpus", description=__doc__.splitlines()[0])
-    ap.add_argument("--teacher", required=True, type=Path)
-    ap.add_argument("--shard", required=True, type=int)
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--settings", required=True)
+    ap.add_argument("--teacher", required=True, type=Path, help="the teacher CMF (results/teacher.cmf)")
+    ap.add_argument("--shard", required=True, type=int, help="which shard of the work this job does (0-based)")
+    ap.add_argument("--out", required=True, type=Path, help="this shard's generated sequences (HDF5)")
+    ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     a = ap.parse_args(argv)
     s = load(CorpusSettings, a.settings)
     if not 0 <= a.shard < s.shards:

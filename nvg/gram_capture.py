@@ -25,7 +25,7 @@ from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import BODY_ROLES, ROLE_INPUT
 from nvg.model import autocast, load_model, pick_device
 from nvg.progress import bar
-from nvg.settings import load
+from nvg.settings import SETTINGS_HELP, load
 
 # one hook per distinct input: the first role that reads it (linears sharing an input share its Gram)
 INPUT_LEAD = {name: next(r for r, n in ROLE_INPUT.items() if n == name) for name in dict.fromkeys(ROLE_INPUT.values())}
@@ -90,10 +90,10 @@ def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> 
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg gram-capture", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, type=Path)
-    ap.add_argument("--windows", required=True, type=Path)
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--settings", required=True)
+    ap.add_argument("--model", required=True, type=Path, help="the model whose layer inputs are captured (the teacher, or a student to re-encode)")
+    ap.add_argument("--windows", required=True, type=Path, help="the token windows (results/data/windows.h5)")
+    ap.add_argument("--out", required=True, type=Path, help="the Grams (HDF5, one FIT and one SEL matrix per layer input)")
+    ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     a = ap.parse_args(argv)
     main(a.model, a.windows, a.out, load(GramSettings, a.settings))
 

@@ -241,8 +241,8 @@ def main(source: str, out: Path, dtype: str = "f16") -> None:
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg import-teacher", description=__doc__.splitlines()[0])
     ap.add_argument("--source", required=True, help="HF folder, .gguf, .cmf, or pkg:<module>/<path>")
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--dtype", choices=["f16", "bf16"], default="f16")
+    ap.add_argument("--out", required=True, type=Path, help="the teacher CMF")
+    ap.add_argument("--dtype", choices=["f16", "bf16"], default="f16", help="storage of the teacher's weights (default: %(default)s)")
     a = ap.parse_args(argv)
     main(a.source, a.out, a.dtype)
 

@@ -152,10 +152,10 @@ def main(eval_path: Path, encode_path: Path, metrics_path: Path, out: Path, teac
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg report", description=__doc__.splitlines()[0])
-    ap.add_argument("--eval", required=True, type=Path)
-    ap.add_argument("--encode", required=True, type=Path)
-    ap.add_argument("--metrics", required=True, type=Path)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--eval", required=True, type=Path, help="results/eval.json")
+    ap.add_argument("--encode", required=True, type=Path, help="the encoder's report (results/student/encode.json)")
+    ap.add_argument("--metrics", required=True, type=Path, help="the training metrics (results/train/metrics.jsonl)")
+    ap.add_argument("--out", required=True, type=Path, help="the HTML report")
     ap.add_argument("--teacher-name", default="", help="the teacher as configured, shown in the page")
     a = ap.parse_args(argv)
     main(a.eval, a.encode, a.metrics, a.out, a.teacher_name)

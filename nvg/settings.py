@@ -19,6 +19,8 @@ import yaml
 from nvg.config import SCHEMA_PATH
 from nvg.errors import NvgError
 
+SETTINGS_HELP = "this stage's config block as JSON (keys, defaults and bounds: workflow/schemas/config.schema.yaml)"
+
 
 def check(cond: bool, section: str, key: str, problem: str) -> None:
     if not cond:

@@ -24,7 +24,7 @@ from nvg.errors import NvgError, exits_cleanly
 from nvg.losses import topk_logprobs
 from nvg.model import autocast, compile_blocks, load_model, pick_device
 from nvg.progress import bar
-from nvg.settings import load
+from nvg.settings import SETTINGS_HELP, load
 
 
 @dataclass
@@ -72,11 +72,11 @@ def main(teacher: Path, windows: Path, shard: int, out: Path, settings: TopkSett
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg teacher-topk", description=__doc__.splitlines()[0])
-    ap.add_argument("--teacher", required=True, type=Path)
-    ap.add_argument("--windows", required=True, type=Path)
-    ap.add_argument("--shard", required=True, type=int)
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--settings", required=True)
+    ap.add_argument("--teacher", required=True, type=Path, help="the teacher CMF (results/teacher.cmf)")
+    ap.add_argument("--windows", required=True, type=Path, help="the token windows (results/data/windows.h5)")
+    ap.add_argument("--shard", required=True, type=int, help="which shard of the work this job does (0-based)")
+    ap.add_argument("--out", required=True, type=Path, help="this shard's top-k (HDF5)")
+    ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     a = ap.parse_args(argv)
     s = load(TopkSettings, a.settings)
     if not 0 <= a.shard < s.shards:

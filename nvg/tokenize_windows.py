@@ -23,7 +23,7 @@ from nvg.artifacts import content_hash, model_hash, read_corpus, write_windows
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
-from nvg.settings import load
+from nvg.settings import SETTINGS_HELP, load
 from nvg.sources import GENERATED, ChatRenderer, source_tokens, split_budget
 
 
@@ -93,9 +93,9 @@ def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Pat
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg tokenize-windows", description=__doc__.splitlines()[0])
-    ap.add_argument("--teacher", required=True, type=Path)
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--settings", required=True, help="JSON object of WindowSettings")
+    ap.add_argument("--teacher", required=True, type=Path, help="the teacher CMF whose tokenizer is used")
+    ap.add_argument("--out", required=True, type=Path, help="the token windows (HDF5), the last eval_windows held out")
+    ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     ap.add_argument("--generated", type=Path, nargs="*", default=[], help="generate_corpus shards (source 'generated')")
     a = ap.parse_args(argv)
     main(a.teacher, a.out, load(WindowSettings, a.settings), a.generated)

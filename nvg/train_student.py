@@ -40,7 +40,7 @@ from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
 from nvg.model import compile_blocks, load_model, pick_device
-from nvg.settings import check, load
+from nvg.settings import SETTINGS_HELP, check, load
 from nvg.sign_training import SignSettings, SignTrainer
 
 
@@ -338,14 +338,14 @@ def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out:
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg train-student", description=__doc__.splitlines()[0])
-    ap.add_argument("--student", required=True, type=Path)
-    ap.add_argument("--windows", required=True, type=Path)
+    ap.add_argument("--student", required=True, type=Path, help="the encoded student CMF")
+    ap.add_argument("--windows", required=True, type=Path, help="the token windows (results/data/windows.h5)")
     ap.add_argument("--topk", type=Path, nargs="+", default=[], help="the cached targets (train.targets: topk)")
     ap.add_argument("--teacher", type=Path, help="the teacher CMF, run live (train.targets: live)")
     ap.add_argument("--teacher-name", default="teacher.cmf", help="the teacher as recorded in the provenance")
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--metrics", required=True, type=Path)
-    ap.add_argument("--settings", required=True)
+    ap.add_argument("--out", required=True, type=Path, help="the trained student CMF (the best held-out snapshot)")
+    ap.add_argument("--metrics", required=True, type=Path, help="per-step metrics (JSON lines)")
+    ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     a = ap.parse_args(argv)
     main(a.student, a.windows, a.topk, a.teacher_name, a.out, a.metrics, load(TrainSettings, a.settings), a.teacher)
 

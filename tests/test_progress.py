@@ -45,3 +45,30 @@ def test_nvg_progress_reports_each_jobs_status_time_and_latest_line(tmp_path, ca
     assert [line.split()[0] for line in out[:-1]] == [r["job"] for r in stage_states(tmp_path, STAGES)]
     assert "29/72 [00:09<00:14" in next(line for line in out if line.startswith("teacher_topk.0"))
     assert out[-1].startswith("1 of ") and "30.8 s in finished jobs" in out[-1]
+
+
+def test_every_option_of_every_command_has_help(monkeypatch, capsys):
+    """`--help` of `nvg` and of every stage and tool explains each option, not only names it."""
+    import argparse
+    import importlib
+
+    import pytest
+
+    from nvg.cli import TOOLS
+
+    calls = []
+    add_argument = argparse.ArgumentParser.add_argument
+
+    def record(self, *names, **kw):
+        calls.append((self.prog, names, kw))
+        return add_argument(self, *names, **kw)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "add_argument", record)
+    for module in STAGES + TOOLS:
+        with pytest.raises(SystemExit):
+            importlib.import_module(f"nvg.{module}").cli(["--help"])
+    with pytest.raises(SystemExit):
+        nvg(["--help"])
+    missing = [(prog, names) for prog, names, kw in calls
+               if names not in (("-h", "--help"), ("--version",)) and not kw.get("help")]
+    assert len({prog for prog, _, _ in calls}) >= len(STAGES + TOOLS) and not missing, missing
