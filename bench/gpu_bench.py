@@ -16,6 +16,8 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
    FLOPs, ×3 for a training step; causal attention counted; recomputation not counted).
 
     python bench/gpu_bench.py --teacher teacher.cmf --out bench.json
+    python bench/gpu_bench.py --step-only --out step.json   # the distillation step alone, SmolLM2-135M's shape
+                                                            # (random weights), with and without nvg/blr_matmul.py
 """
 
 from __future__ import annotations
@@ -36,26 +38,33 @@ from nvg.layout import parse_body_linear
 from nvg.model import ModelConfig, build_model, compile_blocks, flops_per_token, load_model
 
 WINDOW = 2048
+SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                           num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                           max_position_embeddings=8192, tie_word_embeddings=True)
 LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                        num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
                        max_position_embeddings=131072, tie_word_embeddings=True)
 
 
-def timed(fn, iters: int) -> float:
+def timed(fn, iters: int, windows: int = 1) -> float:
+    """Seconds per call: the median over `windows` timed windows of `iters` calls each, after a warm-up."""
     fn()  # warm-up (and compilation)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters
+    per_call = []
+    for _ in range(windows):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        per_call.append((time.perf_counter() - t) / iters)
+    return float(np.median(per_call))
 
 
-def measure(fn, tokens: int, flops_per_tok: float, iters: int) -> dict:
+def measure(fn, tokens: int, flops_per_tok: float, iters: int, windows: int = 1) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
-        s = timed(fn, iters)
+        s = timed(fn, iters, windows)
     except torch.OutOfMemoryError:
         return {"error": "out of memory"}
     return {"tok_s": round(tokens / s), "peak_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2),
@@ -172,7 +181,7 @@ def bench_model(name: str, cfg: ModelConfig, teacher, teacher_batches, step_batc
             lambda: baseline_step(hf, opt, x, t_ids, t_p), b * WINDOW, 3 * fpt, max(2, iters // 2))
         say()
     hf = opt = None  # frees the dense model before the student is measured
-    targets = {b: Targets(t[0], b, InMemoryTopk(t[1], t[2])) for b, t in targets.items()}
+    targets = {b: Targets(t[0], b, "bench", InMemoryTopk(t[1], t[2])) for b, t in targets.items()}
     # nvg: a BLR student at 1 bpw through the pipeline's own step (nvg/distill.py)
     student = compile_blocks(blr_student(cfg, dense, 1.0).cuda())
     rows["student body bpw"] = round(float(np.mean([codec.bits_per_weight(2, m.rank, m.h.shape[1], m.g.shape[1])
@@ -195,14 +204,72 @@ def bench_model(name: str, cfg: ModelConfig, teacher, teacher_batches, step_batc
     return rows
 
 
+def folded_autograd(x, h, ell, g, su, sv):
+    """The BLR forward before nvg/blr_matmul.py: scales folded into the signs, autograd's backward (four
+    GEMMs, two of them weight-sized)."""
+    dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    paths, rank = ell.shape
+    a = (sv * (ell[:, :, None] * g[:, None, :])).to(dt).reshape(paths * rank, g.shape[1])
+    b = (su * h[:, :, None]).to(dt).permute(1, 0, 2).reshape(h.shape[1], paths * rank)
+    return torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)
+
+
+def step_only(batches, iters: int, windows: int) -> dict:
+    """The distillation step on SmolLM2-135M's shape (random weights): plain transformers' dense KD step,
+    and nvg's BLR step with its two-GEMM backward and with autograd's, each the median of timed windows."""
+    import nvg.model
+
+    torch.manual_seed(0)
+    big = hf_model(SMOLLM2_135M, None)
+    dense = {n: p.detach().float().cpu() for n, p in big.state_dict().items() if n != "lm_head.weight"}
+    rows: dict = {}
+    fpt = flops_per_token(SMOLLM2_135M) + attention_flops(SMOLLM2_135M)
+    hf = big.train()
+    opt = torch.optim.Adam(hf.parameters(), lr=1e-5)
+    data = {}
+    for b in batches:
+        tokens = np.random.default_rng(b).integers(0, SMOLLM2_135M.vocab_size, (b, WINDOW), dtype=np.int64)
+        x = torch.from_numpy(tokens).cuda()
+        logp = torch.log_softmax(torch.randn(b, WINDOW, 64, device="cuda"), -1)
+        ids = torch.randint(0, SMOLLM2_135M.vocab_size, (b, WINDOW, 64), device="cuda")
+        data[b] = (tokens, ids, logp)
+        rows[f"step, batch {b}: transformers (dense)"] = measure(
+            lambda: baseline_step(hf, opt, x, ids, logp.exp()), b * WINDOW, 3 * fpt, iters, windows)
+        print(json.dumps(rows), flush=True)
+    hf = opt = big = None
+    student = compile_blocks(blr_student(SMOLLM2_135M, dense, 1.0).cuda())
+    sfpt = blr_flops_per_token(student) + attention_flops(SMOLLM2_135M)
+    for label, matmul in (("two-GEMM backward (nvg/blr_matmul.py)", nvg.model.blr_scales_matmul),
+                          ("autograd backward (folded form)", folded_autograd)):
+        nvg.model.blr_scales_matmul = matmul
+        torch._dynamo.reset()
+        for b in batches:
+            tokens, ids, logp = data[b]
+            targets = Targets(tokens, b, "bench", InMemoryTopk(ids.int().cpu().numpy(), logp.half().cpu().numpy()))
+            d = Distiller(student, targets, torch.device("cuda"), batch=b, precision="bf16", recompute_every=1)
+            opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
+            rows[f"step, batch {b}: nvg BLR 1 bpw, {label}"] = measure(
+                lambda: d.step(list(range(b)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), b * WINDOW, 3 * sfpt, iters, windows)
+            print(json.dumps(rows), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--teacher", required=True, help="the real teacher as a CMF (nvg import-teacher)")
+    ap.add_argument("--teacher", help="the real teacher as a CMF (nvg import-teacher); not needed with --step-only")
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--windows", type=int, default=3, help="timed windows of --iters calls; the median is reported")
+    ap.add_argument("--step-only", action="store_true", help="only the distillation step, on SmolLM2-135M's shape")
     a = ap.parse_args()
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
            "window": WINDOW, "date": time.strftime("%Y-%m-%d")}
+    if a.step_only:
+        out["step"] = step_only((8, 16), a.iters, a.windows)
+        print(json.dumps(out, indent=1))
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+        return
     m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     out["bf16_matmul_TFLOP_s"] = round(2 * 8192 ** 3 / timed(lambda: m @ m, 10) / 1e12, 1)
     m = None
