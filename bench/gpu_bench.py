@@ -17,7 +17,7 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
 
     python bench/gpu_bench.py --teacher teacher.cmf --out bench.json
     python bench/gpu_bench.py --step-only --out step.json   # the distillation step alone, SmolLM2-135M's shape
-                                                            # (random weights), with and without nvg/blr_matmul.py
+                                                            # (random weights), nvg's and the dense transformers one
 """
 
 from __future__ import annotations
@@ -204,21 +204,9 @@ def bench_model(name: str, cfg: ModelConfig, teacher, teacher_batches, step_batc
     return rows
 
 
-def folded_autograd(x, h, ell, g, su, sv):
-    """The BLR forward before nvg/blr_matmul.py: scales folded into the signs, autograd's backward (four
-    GEMMs, two of them weight-sized)."""
-    dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    paths, rank = ell.shape
-    a = (sv * (ell[:, :, None] * g[:, None, :])).to(dt).reshape(paths * rank, g.shape[1])
-    b = (su * h[:, :, None]).to(dt).permute(1, 0, 2).reshape(h.shape[1], paths * rank)
-    return torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)
-
-
 def step_only(batches, iters: int, windows: int) -> dict:
-    """The distillation step on SmolLM2-135M's shape (random weights): plain transformers' dense KD step,
-    and nvg's BLR step with its two-GEMM backward and with autograd's, each the median of timed windows."""
-    import nvg.model
-
+    """The distillation step on SmolLM2-135M's shape (random weights): plain transformers' dense KD step
+    and nvg's BLR step, each the median of timed windows."""
     torch.manual_seed(0)
     big = hf_model(SMOLLM2_135M, None)
     dense = {n: p.detach().float().cpu() for n, p in big.state_dict().items() if n != "lm_head.weight"}
@@ -239,18 +227,14 @@ def step_only(batches, iters: int, windows: int) -> dict:
     hf = opt = big = None
     student = compile_blocks(blr_student(SMOLLM2_135M, dense, 1.0).cuda())
     sfpt = blr_flops_per_token(student) + attention_flops(SMOLLM2_135M)
-    for label, matmul in (("two-GEMM backward (nvg/blr_matmul.py)", nvg.model.blr_scales_matmul),
-                          ("autograd backward (folded form)", folded_autograd)):
-        nvg.model.blr_scales_matmul = matmul
-        torch._dynamo.reset()
-        for b in batches:
-            tokens, ids, logp = data[b]
-            targets = Targets(tokens, b, "bench", InMemoryTopk(ids.int().cpu().numpy(), logp.half().cpu().numpy()))
-            d = Distiller(student, targets, torch.device("cuda"), batch=b, precision="bf16", recompute_every=1)
-            opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
-            rows[f"step, batch {b}: nvg BLR 1 bpw, {label}"] = measure(
-                lambda: d.step(list(range(b)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), b * WINDOW, 3 * sfpt, iters, windows)
-            print(json.dumps(rows), flush=True)
+    for b in batches:
+        tokens, ids, logp = data[b]
+        targets = Targets(tokens, b, "bench", InMemoryTopk(ids.int().cpu().numpy(), logp.half().cpu().numpy()))
+        d = Distiller(student, targets, torch.device("cuda"), batch=b, precision="bf16", recompute_every=1)
+        opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
+        rows[f"step, batch {b}: nvg BLR 1 bpw"] = measure(
+            lambda: d.step(list(range(b)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), b * WINDOW, 3 * sfpt, iters, windows)
+        print(json.dumps(rows), flush=True)
     return rows
 
 

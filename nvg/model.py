@@ -17,7 +17,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nvg import blr as blr_codec
-from nvg.blr_matmul import blr_scales_matmul
 from nvg.cmf import BLR, CmfFile, read_cmf, tensor_to_numpy
 from nvg.errors import NvgError
 from nvg.layout import BODY_ROLES
@@ -84,10 +83,9 @@ class BlrLinear(nn.Module):
     Fast because the scales are folded into the two sign factors before they meet the activations:
     A = [diag(ℓ_p) S_V,p diag(g_p)]_p (stacked to [P·r, d_in]) and B = [diag(h_p) S_U,p]_p ([d_out, P·r])
     cost weight-sized work, after which the tokens see exactly two GEMMs, y = (x Aᵀ) Bᵀ, on tensor
-    cores (±1 is exact in bf16), and no activation-sized elementwise op at all. Training the scales
-    with frozen signs takes `nvg/blr_matmul.py` instead, whose backward is two GEMMs (autograd through
-    the folded form would be four: two for the input gradient, one each for the A and B gradients, only
-    to reduce those to the scale gradients); sign training keeps autograd, which it needs for dS_U, dS_V. The cost is P·r·(d_in + d_out) multiply-adds per token, about
+    cores (±1 is exact in bf16), and no activation-sized elementwise op at all. Backward is four GEMMs
+    (two for the input gradient, one each for the A and B gradients); the scale gradients are then
+    weight-sized reductions of those. The cost is P·r·(d_in + d_out) multiply-adds per token, about
     d_in·d_out at 1 bpw (docs/benchmarks.md)."""
 
     def __init__(self, payload: blr_codec.BlrTensor, bias: torch.Tensor | None = None):
@@ -107,9 +105,6 @@ class BlrLinear(nn.Module):
         return self.ell.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and self.h.requires_grad and not (self.su.requires_grad or self.sv.requires_grad):
-            y = blr_scales_matmul(x, self.h, self.ell, self.g, self.su, self.sv)  # training the scales: 2 GEMMs back
-            return y if self.bias is None else y + self.bias.to(y.dtype)
         dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         paths, rank = self.ell.shape
         a = (self.sv * (self.ell[:, :, None] * self.g[:, None, :])).to(dt).reshape(paths * rank, self.g.shape[1])
