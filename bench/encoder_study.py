@@ -17,7 +17,7 @@ import numpy as np
 
 from nvg.budget_reencode import main as encode
 from nvg.encoder import EncodeSettings
-from nvg.evaluate import EvalSettings, score
+from nvg.evaluate import EvalSettings, ScoredSet, student_pass, summary, teacher_pass
 from nvg.model import load_model, pick_device
 from nvg.artifacts import read_windows
 from nvg.settings import load
@@ -37,6 +37,9 @@ def main():
     tokens, attrs = read_windows(a.windows)
     heldout = tokens[int(attrs["n_train"]):]
     teacher = load_model(a.teacher, device)
+    eval_settings = load(EvalSettings, batch=8)
+    sets = [ScoredSet("held-out", heldout)]
+    teacher_pass(teacher, sets, eval_settings, device, 64)
     results = {"device": str(device), "heldout_tokens": int(heldout.size), "runs": {}}
     for bpw in a.bpw:
         for method in a.methods:
@@ -47,7 +50,8 @@ def main():
             seconds = time.perf_counter() - t0
             report = json.loads((a.workdir / f"{name}.json").read_text())
             student = load_model(a.workdir / f"{name}.cmf", device)
-            s = score({"teacher": teacher, "student": student}, heldout, None, None, load(EvalSettings, batch=8), device, 64, "held-out")
+            student_pass("student", student, teacher.head_weight, sets, eval_settings, device)
+            s = summary(sets[0], 64)
             results["runs"][name] = {
                 "bpw": bpw, "method": method, "encode_seconds": seconds, "body_bpw": report["body_bpw"],
                 "file_bpw": report["file_bpw"], "mean_rel_sel_error": report["mean_rel_sel_error"],

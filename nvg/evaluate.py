@@ -16,7 +16,7 @@ import argparse
 import csv
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -47,46 +47,75 @@ class EvalSettings:
     precision: str
 
 
+@dataclass
+class ScoredSet:
+    """One text to score: its windows, the teacher's cached top-k for them (held out only), and what the
+    teacher pass leaves for the students: its final hidden states per batch and its sums."""
+
+    label: str
+    windows: np.ndarray
+    t_ids: np.ndarray | None = None
+    t_logp: np.ndarray | None = None
+    t_hidden: list = field(default_factory=list)
+    sums: dict = field(default_factory=dict)  # model → {nll, kl_full, kl_topk, agree}
+    tail: float = 0.0
+
+    def batches(self, batch: int):
+        return bar(math.ceil(len(self.windows) / batch), f"evaluate {self.label}", "batch", range(0, len(self.windows), batch))
+
+    def topk_kl(self, h, head, s: int, n: int, device) -> float:
+        if self.t_ids is None:
+            return 0.0
+        return float(topk_kl(h, head, torch.from_numpy(self.t_ids[s : s + n]).to(device), torch.from_numpy(self.t_logp[s : s + n]).to(device)))
+
+
 @torch.no_grad()
-def score(models: dict, windows: np.ndarray, t_ids, t_logp, settings: EvalSettings, device, k: int, label: str) -> dict:
-    """Per model: ppl, full KL to the teacher, top-k KL (when targets are given), top-1 agreement; and the
-    teacher's probability mass outside its own top-k (what top-k distillation never shows the student)."""
-    acc = {n: {"nll": 0.0, "kl_full": 0.0, "kl_topk": 0.0, "agree": 0} for n in models}
-    tail = 0.0
-    n_pred = n_tok = 0
-    teacher = models["teacher"]
-    for s in bar(math.ceil(len(windows) / settings.batch), f"evaluate {label}", "batch", range(0, len(windows), settings.batch)):
-        ids = torch.from_numpy(windows[s : s + settings.batch]).to(device)
-        with autocast(device, settings.precision):
-            t_hidden = teacher.hidden(ids)
-            for name, m in models.items():
-                if name == "teacher":  # against itself: KL 0 and full agreement by definition
-                    h = t_hidden
-                    acc[name]["nll"] += float(next_token_nll(h[:, :-1], m.head_weight, ids[:, 1:]))
-                    tail += float((1 - topk_logprobs(h, m.head_weight, k)[1].exp().sum(-1)).clamp_min(0).sum())
-                    acc[name]["agree"] += ids.numel()
-                else:
-                    h = m.hidden(ids)
-                    nll, kl, agree = student_scores(t_hidden, h, teacher.head_weight, m.head_weight, ids)
-                    acc[name]["nll"] += float(nll)
-                    acc[name]["kl_full"] += float(kl)
-                    acc[name]["agree"] += agree
-                if t_ids is not None:
-                    rows = slice(s, s + len(ids))
-                    acc[name]["kl_topk"] += float(topk_kl(h, m.head_weight, torch.from_numpy(t_ids[rows]).to(device),
-                                                          torch.from_numpy(t_logp[rows]).to(device)))
-        n_pred += ids[:, 1:].numel()
-        n_tok += ids.numel()
+def teacher_pass(teacher, sets: list[ScoredSet], settings: EvalSettings, device, k: int) -> None:
+    """The teacher on every set: its own scores, its probability mass outside its top-k (what top-k
+    distillation never shows the student), and its final hidden states, kept for the students (a
+    fraction of the model's size) so that the teacher can leave memory before any student is loaded."""
+    for st in sets:
+        acc = st.sums["teacher"] = {"nll": 0.0, "kl_full": 0.0, "kl_topk": 0.0, "agree": 0}
+        for s in st.batches(settings.batch):
+            ids = torch.from_numpy(st.windows[s : s + settings.batch]).to(device)
+            with autocast(device, settings.precision):
+                h = teacher.hidden(ids)
+                acc["nll"] += float(next_token_nll(h[:, :-1], teacher.head_weight, ids[:, 1:]))
+                acc["agree"] += ids.numel()  # against itself: KL 0 and full agreement by definition
+                acc["kl_topk"] += st.topk_kl(h, teacher.head_weight, s, len(ids), device)
+                st.tail += float((1 - topk_logprobs(h, teacher.head_weight, k)[1].exp().sum(-1)).clamp_min(0).sum())
+            st.t_hidden.append(h)
+
+
+@torch.no_grad()
+def student_pass(name: str, student, t_head, sets: list[ScoredSet], settings: EvalSettings, device) -> None:
+    """A student on every set against the teacher's cached hidden states: nll, full KL, top-k KL, agreement."""
+    for st in sets:
+        acc = st.sums[name] = {"nll": 0.0, "kl_full": 0.0, "kl_topk": 0.0, "agree": 0}
+        for j, s in enumerate(st.batches(settings.batch)):
+            ids = torch.from_numpy(st.windows[s : s + settings.batch]).to(device)
+            with autocast(device, settings.precision):
+                h = student.hidden(ids)
+                nll, kl, agree = student_scores(st.t_hidden[j], h, t_head, student.head_weight, ids)
+                acc["nll"] += float(nll)
+                acc["kl_full"] += float(kl)
+                acc["agree"] += agree
+                acc["kl_topk"] += st.topk_kl(h, student.head_weight, s, len(ids), device)
+
+
+def summary(st: ScoredSet, k: int) -> dict:
+    """Per model: perplexity and its ratio to the teacher's, full KL, top-k KL (held out), top-1 agreement."""
+    n_tok, n_pred = st.windows.size, st.windows[:, 1:].size
     out = {}
-    for name, a in acc.items():
+    for name, a in st.sums.items():
         out[name] = {"perplexity": math.exp(a["nll"] / n_pred), "kl_full": a["kl_full"] / n_tok,
                      "top1_agreement": a["agree"] / n_tok}
-        if t_ids is not None:
+        if st.t_ids is not None:
             out[name]["kl_topk"] = a["kl_topk"] / n_tok
-    for name in models:  # how far from the teacher, the number a user reads first
+    for name in st.sums:  # how far from the teacher, the number a user reads first
         out[name]["ppl_ratio"] = out[name]["perplexity"] / out["teacher"]["perplexity"]
     out["tokens"] = n_tok
-    out["teacher_mass_outside_topk"] = {"k": k, "mean": tail / n_tok}
+    out["teacher_mass_outside_topk"] = {"k": k, "mean": st.tail / n_tok}
     return out
 
 
@@ -118,20 +147,30 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
     t_ids, t_logp = reader.read(np.arange(n_train, len(tokens)))
     reader.close()
     device = pick_device(settings.device)
-    models = {n: compile_blocks(load_model(c, device)) for n, c in cmfs.items()}
-    report = {"heldout": score(models, tokens[n_train:], t_ids, t_logp, settings, device, reader.k, "held-out")}
+    sets = [ScoredSet("held-out", tokens[n_train:], t_ids, t_logp)]
     if settings.ood:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(cmfs["teacher"].vocab.decode("utf-8"))
         window = tokens.shape[1]
-        report["ood"] = {}
         for source in settings.ood:
             ids = source_tokens(source, settings.ood_tokens, tok, ChatRenderer(cmfs["teacher"], source))
             ood = ids[: len(ids) // window * window].reshape(-1, window)
             if len(ood) == 0:
                 raise NvgError(f"{source}: fewer than one {window}-token window of out-of-domain text")
-            report["ood"][source] = score(models, ood, None, None, settings, device, reader.k, source)
+            sets.append(ScoredSet(source, ood))
+    # one model in memory at a time: the teacher, then each student against its cached hidden states
+    teacher = compile_blocks(load_model(cmfs["teacher"], device))
+    teacher_pass(teacher, sets, settings, device, reader.k)
+    t_head = teacher.head_weight
+    del teacher
+    for name in ("encoded", "final"):
+        student = compile_blocks(load_model(cmfs[name], device))
+        student_pass(name, student, t_head, sets, settings, device)
+        del student
+    report = {"heldout": summary(sets[0], reader.k)}
+    if settings.ood:
+        report["ood"] = {st.label: summary(st, reader.k) for st in sets[1:]}
     report["files"] = {n: {"path": str(c.path), "bytes": c.path.stat().st_size, **bits_summary(c)} for n, c in cmfs.items()}
     report["training_tokens"] = cmfs["final"].header.get("provenance", {}).get("nvg_train", {}).get("tokens")
     report["stage_seconds"] = stage_seconds(benchmarks)

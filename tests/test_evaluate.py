@@ -51,3 +51,25 @@ def test_heldout_perplexity_is_the_teachers_own_next_token_loss(evaluated, tiny_
     nll = -logp[:, :-1].gather(-1, ids[:, 1:, None]).mean()
     assert evaluated["heldout"]["teacher"]["perplexity"] == pytest.approx(math.exp(float(nll)), rel=1e-4)
     assert np.isfinite(evaluated["heldout"]["encoded"]["perplexity"])
+
+
+def test_one_model_is_in_memory_at_a_time(tiny_stages, tiny_cmf, tmp_path, monkeypatch):
+    """The teacher leaves before the encoded student comes, and that one before the final (each student
+    scores against the teacher's cached hidden states), so evaluate needs one model's memory, not three."""
+    import gc
+    import weakref
+
+    loaded, alive_at_load = [], []
+
+    def tracked(cmf, device):
+        gc.collect()
+        alive_at_load.append(sum(ref() is not None for ref in loaded))
+        model = load_model(cmf, device)
+        loaded.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(evaluate, "load_model", tracked)
+    evaluate.main(tiny_cmf, tiny_stages / "student.cmf", tiny_stages / "student.cmf", tiny_stages / "windows.h5",
+                  [tiny_stages / "topk.0.h5"], tmp_path / "eval.json", evaluate.load(evaluate.EvalSettings, batch=4), [])
+    assert alive_at_load == [0, 0, 0]
+    assert json.loads((tmp_path / "eval.json").read_text())["heldout"]["encoded"]["kl_full"] > 0
