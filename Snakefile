@@ -32,4 +32,5 @@ rule all:
         "results/model.cmf",
         "results/eval.json",
         "results/report.html",
+        "results/report.png",
     default_target: True

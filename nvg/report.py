@@ -14,6 +14,7 @@ import argparse
 import base64
 import io
 import json
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -115,11 +116,15 @@ def context(report: dict, encode: dict, metrics: list[dict], teacher: str) -> di
     limit, word, colour, meaning = next(v for v in VERDICTS if largest <= v[0])
     files, held = report["files"], report["heldout"]
     stages = sorted(report.get("stage_seconds", {}).items(), key=lambda kv: -kv[1])
+    final, compression = files["final"], files["teacher"]["bytes"] / files["final"]["bytes"]
+    headline = (f"The final student stores {final['file_bpw']:.2f} bits per weight over the whole file (body "
+                f"{final['body_bpw']:.3f}): {final['bytes'] / 1e6:,.1f} MB, {compression:.1f}× smaller than the teacher's CMF. "
+                f"Its perplexity is {heldout_ratio:.2f}× the teacher's on held-out calibration text and "
+                + (f"up to {worst['ratio']:.2f}× on text it never saw ({worst['label']}). " if worst else
+                   "not measured on text it never saw. ") + meaning)
     return {
         "teacher": teacher or "(not named)", "nvg_version": version("nvg"), "date": time.strftime("%Y-%m-%d %H:%M"),
-        "verdict": {"word": word, "colour": colour, "meaning": meaning},
-        "final": files["final"], "compression": files["teacher"]["bytes"] / files["final"]["bytes"],
-        "heldout_ratio": heldout_ratio, "worst": worst, "sets": sets,
+        "verdict": {"word": word, "colour": colour}, "headline": headline, "sets": sets,
         "models": [{"name": m, "perplexity": held[m]["perplexity"], "kl_full": held[m]["kl_full"],
                     "kl_topk": held[m].get("kl_topk", float("nan")), "top1": held[m]["top1_agreement"], **files[m]}
                    for m in ("teacher", "encoded", "final")],
@@ -131,7 +136,35 @@ def context(report: dict, encode: dict, metrics: list[dict], teacher: str) -> di
     }
 
 
-def main(eval_path: Path, encode_path: Path, metrics_path: Path, out: Path, teacher: str = "") -> None:
+def summary_png(ctx: dict, out: Path) -> None:
+    """The report's first screen as one image, for places that show no HTML (docs, tickets, chats): the
+    run's facts, the verdict and its sentence, and every scored text against the teacher."""
+    import textwrap
+
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(9.5, 2.9 + 0.3 * len(ctx["sets"])))
+    fig.text(0.02, 0.97, f"nvg report · teacher {ctx['teacher']} · nvg {ctx['nvg_version']} · {ctx['date']}",
+             fontsize=9, color="#555", va="top")
+    fig.text(0.02, 0.88, ctx["verdict"]["word"] + ".", fontsize=17, weight="bold", color=ctx["verdict"]["colour"], va="top")
+    fig.text(0.02, 0.74, textwrap.fill(ctx["headline"], 118), fontsize=10, va="top", linespacing=1.4)
+    ax = fig.add_axes((0.02, 0.02, 0.96, 0.4))
+    ax.axis("off")
+    # a source by its file name, not its path
+    rows = [[re.sub(r"\S*/", "", s["label"]), f"{s['tokens']:,}", f"{s['teacher']:.2f}", f"{s['encoded']:.4g} ({s['encoded'] / s['teacher']:.1f}×)",
+             f"{s['final']:.4g} ({s['final'] / s['teacher']:.2f}×)"] for s in ctx["sets"]]
+    table = ax.table(cellText=rows, colLabels=["text", "tokens", "teacher ppl", "before training (× teacher)",
+                                                "final student (× teacher)"], loc="upper center", cellLoc="right",
+                     colWidths=[0.3, 0.1, 0.12, 0.24, 0.24])
+    table.auto_set_font_size(False)
+    table.set_fontsize(9.5)
+    table.scale(1, 1.5)
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def main(eval_path: Path, encode_path: Path, metrics_path: Path, out: Path, teacher: str = "", png: Path | None = None) -> None:
     import jinja2
     import matplotlib
 
@@ -144,9 +177,12 @@ def main(eval_path: Path, encode_path: Path, metrics_path: Path, out: Path, teac
         raise NvgError(f"report inputs: {e}") from None
     env = jinja2.Environment(loader=jinja2.PackageLoader("nvg", "templates"), autoescape=True,
                              undefined=jinja2.StrictUndefined)
-    page = env.get_template("report.html.j2").render(context(report, encode, metrics, teacher))
+    ctx = context(report, encode, metrics, teacher)
+    page = env.get_template("report.html.j2").render(ctx)
     with atomic_path(out) as tmp:
         tmp.write_text(page)
+    if png is not None:
+        summary_png(ctx, png)
 
 
 @exits_cleanly
@@ -157,8 +193,9 @@ def cli(argv=None):
     ap.add_argument("--metrics", required=True, type=Path, help="the training metrics (results/train/metrics.jsonl)")
     ap.add_argument("--out", required=True, type=Path, help="the HTML report")
     ap.add_argument("--teacher-name", default="", help="the teacher as configured, shown in the page")
+    ap.add_argument("--png", type=Path, help="also the report's first screen (verdict and scores) as a PNG")
     a = ap.parse_args(argv)
-    main(a.eval, a.encode, a.metrics, a.out, a.teacher_name)
+    main(a.eval, a.encode, a.metrics, a.out, a.teacher_name, a.png)
 
 
 if __name__ == "__main__":

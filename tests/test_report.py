@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 
 def test_report_has_every_plot_and_the_numbers(finished_run):
@@ -26,3 +27,46 @@ def test_report_has_every_plot_and_the_numbers(finished_run):
     assert config["teacher"] in page
     compression = report["files"]["teacher"]["bytes"] / report["files"]["final"]["bytes"]
     assert f"{compression:.1f}× smaller than" in page and "total (stages before evaluation)" in page
+
+
+def test_the_reports_first_screen_is_also_a_png_with_the_verdict(finished_run, tmp_path):
+    """results/report.png: the run's facts, the verdict and every scored text, drawn from the same context
+    as the page (its text is checked by drawing it again with the text recorded)."""
+    from matplotlib.figure import Figure
+
+    from nvg import report
+
+    workdir, config = finished_run
+    png = (workdir / "results/report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    from matplotlib.axes import Axes
+
+    drawn, cells = [], []
+    original_text, original_table = Figure.text, Axes.table
+
+    def record_text(self, x, y, s, *a, **kw):
+        drawn.append(s)
+        return original_text(self, x, y, s, *a, **kw)
+
+    def record_table(self, *a, cellText=None, **kw):
+        cells.extend(cellText)
+        return original_table(self, *a, cellText=cellText, **kw)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    Figure.text, Axes.table = record_text, record_table
+    try:
+        report.main(workdir / "results/eval.json", workdir / "results/student/encode.json",
+                    workdir / "results/train/metrics.jsonl", tmp_path / "r.html", config["teacher"], tmp_path / "r.png")
+    finally:
+        Figure.text, Axes.table = original_text, original_table
+    page = (tmp_path / "r.html").read_text()
+    word = next(s for s in drawn if s.endswith(".") and f"<b>{s}</b>" in page)  # the verdict, as the page has it
+    assert word in ("Close to the teacher.", "Usable, with a visible quality loss.", "Far from the teacher.")
+    text = " ".join(s.replace("\n", " ") for s in drawn)
+    assert config["teacher"] in text and "smaller than the teacher's CMF" in text and "bits per weight over the whole file" in text
+    scores = json.loads((workdir / "results/eval.json").read_text())
+    assert [row[0] for row in cells] == ["held-out", *(f"OOD {Path(s).name}" for s in scores["ood"])]
+    for row, s in zip(cells, [scores["heldout"], *scores["ood"].values()]):
+        assert row[-1].endswith(f"({s['final']['ppl_ratio']:.2f}×)") and row[1] == f"{s['tokens']:,}"

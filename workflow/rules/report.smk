@@ -8,6 +8,7 @@ rule report:
         template=os.path.relpath(NVG / "templates" / "report.html.j2"),
     output:
         html="results/report.html",
+        png="results/report.png",
     conda:
         "../envs/nvg.yaml"
     log:
@@ -19,4 +20,4 @@ rule report:
         runtime=10,
     shell:
         "python -m nvg.report --eval {input.evaluation} --encode {input.encode} --metrics {input.metrics} "
-        "--out {output.html} --teacher-name {params.teacher:q} > {log} 2>&1"
+        "--out {output.html} --png {output.png} --teacher-name {params.teacher:q} > {log} 2>&1"
