@@ -4,7 +4,8 @@
     nvg generate results/teacher.cmf "Who wrote Hamlet?" --chat --temperature 0.7 --seed 1
 
 `--chat` wraps the prompt as one user message in the model's chat template (from the CMF header).
-The whole sequence is recomputed for each new token (no KV cache): meant for looking at a model, not serving it.
+The prompt runs once and fills a static KV cache; each new token is then one cached step (tokens/s is
+printed). Meant for looking at a model, not serving it.
 """
 
 from __future__ import annotations
