@@ -50,7 +50,6 @@ DTYPE_NAMES = {
 }
 DTYPE_IDS = {name: i for i, name in DTYPE_NAMES.items()}
 F32, F16, BF16, Q8_ROW, Q4_BLOCK, Q8_2F, BLR = 0, 1, 2, 3, 4, 9, 19
-Q4_DIVISORS = np.concatenate([[7.0], np.arange(6.0, 9.01, 0.25)])  # q4_block scales absmax/d; 7 (cortiq's) first wins ties
 
 # cortiq's ModelArch keys with serde defaults (cortiq.md §1.3): written explicitly so any reader agrees.
 ARCH_REQUIRED = (
@@ -427,10 +426,8 @@ def tensor_to_numpy(t: Tensor) -> np.ndarray:
 
 def dense_tensor(name: str, array: np.ndarray, dtype: int = F16) -> Tensor:
     """A Tensor from a float array: f32/f16/bf16 (f16: IEEE round-to-nearest-even), or cortiq's q8_row
-    (int8 per row, scale absmax/127, rounded to nearest as cortiq's converter does, reference/cortiq.md
-    §1.5) and q4_block (groups of 32, codes −8…7): for q4_block each group's scale is the one of
-    absmax/d, d on a grid from 6 to 9, with the least squared error (cortiq's converter takes d = 7; 16
-    levels are coarse enough that the search lowers the error by about a tenth, `Q4_DIVISORS`)."""
+    (int8 per row, scale absmax/127) and q4_block (groups of 32, scale absmax/7), rounded to nearest as
+    cortiq's converter does (reference/cortiq.md §1.5)."""
     a = np.ascontiguousarray(array, dtype=np.float32)
     if dtype == F32:
         payload = a.astype("<f4").tobytes()
@@ -448,19 +445,9 @@ def dense_tensor(name: str, array: np.ndarray, dtype: int = F16) -> Tensor:
     elif dtype == Q4_BLOCK:
         flat = a.reshape(-1)
         groups = np.pad(flat, (0, -len(flat) % 32)).reshape(-1, 32)
-        absmax = np.abs(groups).max(1)
-        scale, q, best = None, None, None
-        for d in Q4_DIVISORS:
-            s = (absmax / d).astype("<f2")
-            safe = np.where(s == 0, 1, s).astype(np.float32)[:, None]
-            codes = np.clip(np.rint(groups / safe), -8, 7)
-            err = ((codes * s.astype(np.float32)[:, None] - groups) ** 2).sum(1)
-            if best is None:
-                scale, q, best = s, codes, err
-            else:
-                better = err < best
-                scale, q, best = np.where(better, s, scale), np.where(better[:, None], codes, q), np.minimum(err, best)
-        q = (q + 8).astype(np.uint8)
+        scale = (np.abs(groups).max(1) / 7).astype("<f2")
+        safe = np.where(scale == 0, 1, scale).astype(np.float32)[:, None]
+        q = (np.clip(np.rint(groups / safe), -8, 7) + 8).astype(np.uint8)
         payload = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).tobytes() + scale.tobytes()
     else:
         raise ValueError(f"dense_tensor: dtype {dtype} is not f32/f16/bf16/q8_row/q4_block")

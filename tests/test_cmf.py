@@ -89,7 +89,7 @@ def test_quantised_teacher_dtypes_dequantise():
     np.testing.assert_allclose(tensor_to_numpy(t3).reshape(-1, 32), (q4.astype(np.float32) - 8) * s4.astype(np.float32)[:, None])
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(Q8_ROW, 0.5 / 127), (Q4_BLOCK, None)])
+@pytest.mark.parametrize("dtype, tolerance", [(Q8_ROW, 0.5 / 127), (Q4_BLOCK, 0.5 / 7)])
 def test_q8_row_and_q4_block_are_written_as_cortiq_reads_them(tmp_path, dtype, tolerance):
     rng = np.random.default_rng(2)
     w = (rng.normal(size=(6, 80)) * rng.uniform(0.1, 3, size=(6, 1))).astype(np.float32)
@@ -101,15 +101,10 @@ def test_q8_row_and_q4_block_are_written_as_cortiq_reads_them(tmp_path, dtype, t
     back = tensor_to_numpy(read_cmf(tmp_path / "q.cmf").tensors["e"])
     if dtype == Q8_ROW:
         bound = np.abs(w).max(1, keepdims=True) * tolerance * 1.01
-        assert (np.abs(back - w) <= bound + 1e-7).all()
-    else:  # each group's error is at most that of cortiq's own absmax/7 rounding (and lower overall)
+    else:
         groups = np.pad(w.reshape(-1), (0, -n % 32)).reshape(-1, 32)
-        scale = (np.abs(groups).max(1) / 7).astype(np.float16).astype(np.float32)[:, None]
-        cortiq = np.clip(np.rint(groups / np.where(scale == 0, 1, scale)), -8, 7) * scale
-        ours = np.pad(back.reshape(-1), (0, -n % 32)).reshape(-1, 32)
-        assert (((ours - groups) ** 2).sum(1) <= ((cortiq - groups) ** 2).sum(1) * (1 + 1e-6) + 1e-12).all()
-        assert ((ours - groups) ** 2).sum() < 0.95 * ((cortiq - groups) ** 2).sum()
-    assert (back[2] == 0).all()
+        bound = np.repeat(np.abs(groups).max(1) * tolerance * 1.01, 32)[:n].reshape(w.shape)
+    assert (np.abs(back - w) <= bound + 1e-7).all() and (back[2] == 0).all()
     assert verify(tmp_path / "q.cmf") == []
 
 
