@@ -26,8 +26,8 @@ from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
 from nvg.model import pick_device
-from nvg.progress import bar
 from nvg.plan import read_plan
+from nvg.progress import bar
 from nvg.settings import SETTINGS_HELP, load
 
 VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # `encode.embedding` sets their format

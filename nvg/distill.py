@@ -89,15 +89,15 @@ class Distiller:
         # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
         self.recompute_every = recompute_every if device.type == "cuda" else 0
         self.modes: list = []  # training modes, see the module docstring
-        # the next batch's top-k, read while this one trains (see `prefetch`)
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="topk")
+        # the next batch's top-k, read while this one trains (see `prefetch`); a live teacher needs none
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="topk") if targets.topk is not None else None
         self._ahead: tuple[tuple, Future] | None = None
 
     def prefetch(self, rows) -> None:
         """Start reading the top-k of `rows` (the next batch) in a background thread, so that the HDF5
         read and, on CUDA, the copy into pinned memory overlap this step's GPU work instead of
         stalling the next one."""
-        if self.targets.topk is not None:
+        if self._reader is not None:
             mine = tuple(self.group.shard(rows))
             self._ahead = (mine, self._reader.submit(self._read_targets, mine))
 

@@ -100,7 +100,8 @@ def whitened_path(target: torch.Tensor, r: int, chol: torch.Tensor):
     return [h, la * lb, g, _signs(a), _signs(b).T.contiguous()]
 
 
-def _solve(m: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+def ridge_solve(m: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """m⁻¹·rhs with a relative ridge of 1e-9 (a rank-deficient Gram still solves)."""
     ridge = 1e-9 * m.diagonal().abs().mean().clamp_min(1e-30)
     return torch.linalg.solve(m + ridge * torch.eye(len(m), dtype=m.dtype, device=m.device), rhs)
 
@@ -119,10 +120,10 @@ def refine_path(f, target, H, rho, iters: int):
         a = h[:, None] * su
         b = sv * g
         bh = b @ H
-        ell = _solve((a.T @ (rho[:, None] * a)) * (bh @ b.T), ((a * rho[:, None]).T @ TH * b).sum(1))
+        ell = ridge_solve((a.T @ (rho[:, None] * a)) * (bh @ b.T), ((a * rho[:, None]).T @ TH * b).sum(1))
         # g: (Nᵀ ρ N ∘ H) g = diag(Nᵀ ρ T H)
         n = (a * ell) @ sv
-        g = _solve((n.T @ (rho[:, None] * n)) * H, ((n * rho[:, None]) * TH).sum(0))
+        g = ridge_solve((n.T @ (rho[:, None] * n)) * H, ((n * rho[:, None]) * TH).sum(0))
         # U signs: per row minimise h_o² sᵀ G s − 2 h_o sᵀ c_o, G = M H Mᵀ, c_o = M H t_o; M = diag(ℓ) S_V diag(g)
         mm = ell[:, None] * sv * g[None, :]
         mmh = mm @ H

@@ -63,7 +63,8 @@ class ScoredSet:
     def batches(self, batch: int):
         return bar(math.ceil(len(self.windows) / batch), f"evaluate {self.label}", "batch", range(0, len(self.windows), batch))
 
-    def topk_kl(self, h, head, s: int, n: int, device) -> float:
+    def kl_to_topk(self, h, head, s: int, n: int, device) -> float:
+        """Σ KL to the cached top-k over windows s…s+n (0 for a set without one)."""
         if self.t_ids is None:
             return 0.0
         return float(topk_kl(h, head, torch.from_numpy(self.t_ids[s : s + n]).to(device), torch.from_numpy(self.t_logp[s : s + n]).to(device)))
@@ -82,7 +83,7 @@ def teacher_pass(teacher, sets: list[ScoredSet], settings: EvalSettings, device,
                 h = teacher.hidden(ids)
                 acc["nll"] += float(next_token_nll(h[:, :-1], teacher.head_weight, ids[:, 1:]))
                 acc["agree"] += ids.numel()  # against itself: KL 0 and full agreement by definition
-                acc["kl_topk"] += st.topk_kl(h, teacher.head_weight, s, len(ids), device)
+                acc["kl_topk"] += st.kl_to_topk(h, teacher.head_weight, s, len(ids), device)
                 st.tail += float((1 - topk_logprobs(h, teacher.head_weight, k)[1].exp().sum(-1)).clamp_min(0).sum())
             st.t_hidden.append(h)
 
@@ -100,7 +101,7 @@ def student_pass(name: str, student, t_head, sets: list[ScoredSet], settings: Ev
                 acc["nll"] += float(nll)
                 acc["kl_full"] += float(kl)
                 acc["agree"] += agree
-                acc["kl_topk"] += st.topk_kl(h, student.head_weight, s, len(ids), device)
+                acc["kl_topk"] += st.kl_to_topk(h, student.head_weight, s, len(ids), device)
 
 
 def summary(st: ScoredSet, k: int) -> dict:

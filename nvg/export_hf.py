@@ -25,6 +25,7 @@ import torch
 from nvg import blr as codec
 from nvg.cmf import BLR, read_cmf, tensor_to_numpy
 from nvg.errors import NvgError, exits_cleanly
+from nvg.layout import bits_summary
 from nvg.tokenizer import hf_tokenizer
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -82,8 +83,6 @@ def hf_config(arch: dict, intermediate: int, tensors: dict, tok_cfg: dict, dtype
 
 def model_card(cmf, source: Path, evaluation: dict | None) -> str:
     """README.md: what this model is, where it came from and how close it is to its teacher."""
-    from nvg.layout import bits_summary
-
     prov = cmf.header.get("provenance", {})
     enc, train = prov.get("nvg_encode", {}), prov.get("nvg_train", {})
     bits = bits_summary(cmf)

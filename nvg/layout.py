@@ -46,11 +46,12 @@ def bits_summary(cmf) -> dict:
         if parse_body_linear(t.name):
             body_bytes += len(t.data)
             body_weights += t.numel
+    file_bytes = _file_bytes(cmf)
     return {
         "body_bpw": 8 * body_bytes / max(1, body_weights),
         "tensors_bpw": 8 * all_bytes / max(1, all_weights),
-        "file_bpw": 8 * _file_bytes(cmf) / max(1, all_weights),
-        "file_bytes": _file_bytes(cmf),
+        "file_bpw": 8 * file_bytes / max(1, all_weights),
+        "file_bytes": file_bytes,
         "body_weights": body_weights,
         "all_weights": all_weights,
     }

@@ -65,8 +65,8 @@ def stage_states(directory: Path, stages: list[str], now: float | None = None) -
                 status = "failed"
             elif bench.exists() and bench.stat().st_mtime >= log.stat().st_mtime:
                 status = "done"
-                rows_ = bench.read_text().splitlines()
-                seconds = float(rows_[-1].split("\t")[0]) if len(rows_) > 1 else None
+                timings = bench.read_text().splitlines()  # a header, then the job's row: s, h:m:s, …
+                seconds = float(timings[-1].split("\t")[0]) if len(timings) > 1 else None
             else:
                 status = "running" if now - log.stat().st_mtime < RUNNING_WITHIN else "stopped"
             rows.append({"job": log.stem, "status": status, "seconds": seconds, "last": lines[-1] if lines else ""})

@@ -15,6 +15,7 @@ import base64
 import io
 import json
 import re
+import textwrap
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -139,8 +140,6 @@ def context(report: dict, encode: dict, metrics: list[dict], teacher: str) -> di
 def summary_png(ctx: dict, out: Path) -> None:
     """The report's first screen as one image, for places that show no HTML (docs, tickets, chats): the
     run's facts, the verdict and its sentence, and every scored text against the teacher."""
-    import textwrap
-
     import matplotlib.pyplot as plt
 
     fig = plt.figure(figsize=(9.5, 2.9 + 0.3 * len(ctx["sets"])))

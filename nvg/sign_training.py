@@ -37,6 +37,7 @@ from typing import ClassVar
 
 import torch
 
+from nvg.encoder import ridge_solve
 from nvg.layout import BODY_ROLES, parse_body_linear
 from nvg.settings import check
 
@@ -73,11 +74,6 @@ class SignSettings:
         return min(0.15 * self.tau / math.sqrt(max(1, total_steps)), 4e-3 * self.tau)
 
 
-def _solve(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    ridge = 1e-9 * gram.diagonal().abs().mean().clamp_min(1e-30)
-    return torch.linalg.solve(gram + ridge * torch.eye(len(gram), dtype=gram.dtype, device=gram.device), rhs)
-
-
 @torch.no_grad()
 def teacher_confidence(m, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """How strongly the teacher's weight `w` [d_out, d_in] wants each bit of `m`'s S_U and S_V: for each
@@ -92,9 +88,9 @@ def teacher_confidence(m, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for p in range(len(h)):
         t = target - (paths.sum(0) - paths[p])
         s_v = sv[p] * g[p]
-        u = _solve(s_v @ s_v.T, (t @ s_v.T / h[p][:, None]).T).T / ell[p]
+        u = ridge_solve(s_v @ s_v.T, (t @ s_v.T / h[p][:, None]).T).T / ell[p]
         a = h[p][:, None] * su[p] * ell[p]
-        v = _solve(a.T @ a, a.T @ t) / g[p]
+        v = ridge_solve(a.T @ a, a.T @ t) / g[p]
         cu[p], cv[p] = (u * su[p]).clamp_min(0), (v * sv[p]).clamp_min(0)
     return cu.float(), cv.float()
 
