@@ -58,6 +58,17 @@ def trainable(model) -> dict[str, torch.nn.Parameter]:
     return params
 
 
+def param_groups(params: dict[str, torch.nn.Parameter], relative: bool) -> list[dict]:
+    """Adam's parameter groups. Adam moves every entry by about lr per step whatever its size, so with one
+    lr the small scales move fast and the large ones hardly at all (in a SmolLM2 student g is ~0.07 and
+    h ~0.5: 3 % and 0.4 % per step at lr 0.002). `relative` gives each tensor its own group whose
+    `lr_scale` is its RMS at the start, so that every tensor moves at the same relative rate."""
+    if not relative:
+        return [{"params": list(params.values()), "lr_scale": 1.0}]
+    return [{"params": [p], "lr_scale": float(p.detach().float().pow(2).mean().sqrt().clamp_min(1e-8))}
+            for p in params.values()]
+
+
 @dataclass
 class Targets:
     """The windows and, unless a live teacher gives the targets, the teacher's top-k for every window;
@@ -159,7 +170,7 @@ class Distiller:
                   "skipped": not (math.isfinite(gn) and math.isfinite(loss)) or nonfinite > 0}
         if not result["skipped"]:
             for param_group in opt.param_groups:
-                param_group["lr"] = result["lr"]
+                param_group["lr"] = result["lr"] * param_group.get("lr_scale", 1.0)
             if gn > clip:
                 torch._foreach_mul_(grads, clip / gn)
             opt.step()

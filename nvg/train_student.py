@@ -1,7 +1,7 @@
 """Stage `train_student`: distil the BLR metric (h, ℓ, g of every path) and the RMSNorm gains.
 
 setup → fit → finish. The loss and the optimizer step are `nvg/distill.py`'s: KL to the teacher's
-top-k, Adam (0.9, 0.999, 1e-8), linear warm-up over max(1, steps/50) then cosine to zero over the
+top-k, Adam (0.9, 0.999, 1e-8; with `lr_relative` each tensor's step is scaled by its starting RMS), linear warm-up over max(1, steps/50) then cosine to zero over the
 whole run (even when `stop_after` ends it early), global-norm clipping, bf16 autocast (fp16 mode:
 dynamic gradient scale from 4096, halved on a non-finite step); a non-finite step is skipped, counted
 and logged. Held-out KL before training, every `eval_every` steps and at the end; the best snapshot is
@@ -35,7 +35,7 @@ from nvg import distributed
 from nvg.artifacts import check_encoded_from, encoded_from
 from nvg.atomic import atomic_path
 from nvg.cmf import BLR, F16, CmfFile, Tensor, dense_tensor, read_verified, write_cmf
-from nvg.distill import Distiller, Targets, lr_shape
+from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
@@ -52,6 +52,7 @@ class TrainSettings:
     epochs: int
     batch: int
     lr: float
+    lr_relative: bool
     clip: float
     eval_every: int
     state_every: int
@@ -198,7 +199,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     if n_batches < 1:
         raise NvgError(f"config train.batch: {s.batch} exceeds the {targets.n_train} training windows")
     total = n_batches * s.epochs
-    opt = torch.optim.Adam(list(d.params.values()), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
+    opt = torch.optim.Adam(param_groups(d.params, s.lr_relative), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     if s.signs.enabled:
         d.modes.append(SignTrainer(d.model, s.signs, total, group, teacher=d.teacher))
     for mode in d.modes:

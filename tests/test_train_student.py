@@ -60,12 +60,13 @@ def test_training_lowers_heldout_kl_and_keeps_the_layout(stage_inputs):
     assert not (stage_inputs / "state-plain").exists() or not any((stage_inputs / "state-plain").iterdir())
 
 
-def test_resume_after_a_stop_is_bit_identical(stage_inputs):
-    whole = train(stage_inputs, "uninterrupted").path.read_bytes()
-    train(stage_inputs, "resumed", stop_after=5)  # state saved at step 4; the run ends at 5
-    states = list((stage_inputs / "state-resumed").glob("*/state.safetensors"))
+@pytest.mark.parametrize("lr_relative", [False, True])
+def test_resume_after_a_stop_is_bit_identical(stage_inputs, lr_relative):
+    whole = train(stage_inputs, f"uninterrupted-{lr_relative}", lr_relative=lr_relative).path.read_bytes()
+    train(stage_inputs, f"resumed-{lr_relative}", stop_after=5, lr_relative=lr_relative)  # state saved at step 4; the run ends at 5
+    states = list((stage_inputs / f"state-resumed-{lr_relative}").glob("*/state.safetensors"))
     assert len(states) == 1 and saved_counters(states[0])["done"] == 4
-    resumed = train(stage_inputs, "resumed")  # same settings: resumes from step 4
+    resumed = train(stage_inputs, f"resumed-{lr_relative}", lr_relative=lr_relative)  # same settings: resumes from step 4
     assert resumed.path.read_bytes() == whole
 
 
@@ -75,6 +76,28 @@ def test_a_changed_setting_never_resumes_stale_state(stage_inputs):
     assert out.header["provenance"]["nvg_train"]["evals"][0]["step"] == 0
     assert out.header["provenance"]["nvg_train"]["lr"] == 0.02
     assert len(list((stage_inputs / "state-stale").iterdir())) == 1  # the lr=0.01 state is left alone
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_relative_lr_moves_every_tensor_by_the_same_fraction_of_its_size(stage_inputs, relative):
+    """Adam's first step moves every entry by about lr; with `lr_relative` by about lr × its tensor's
+    starting RMS, so the small g and the large h move at the same relative rate."""
+    from nvg.distill import Distiller, Targets, param_groups
+
+    model = load_model(stage_inputs / "student.cmf")
+    d = Distiller(model, Targets.from_files(stage_inputs / "windows.h5", [stage_inputs / "topk.0.h5"], model.cfg.vocab_size),
+                  torch.device("cpu"), batch=8, precision="fp32")
+    before = {n: p.detach().clone() for n, p in d.params.items()}
+    opt = torch.optim.Adam(param_groups(d.params, relative), lr=0.01)
+    assert d.step(list(range(8)), opt, 1.0, 1.0, lr=0.01, clip=1.0)["skipped"] is False
+    moved = {n: float((p.detach() - before[n]).abs().max()) for n, p in d.params.items()}
+    rms = {n: float(before[n].pow(2).mean().sqrt()) for n in before}
+    if relative:
+        assert all(moved[n] == pytest.approx(0.01 * rms[n], rel=1e-3) for n in moved), moved
+    else:
+        assert all(moved[n] == pytest.approx(0.01, rel=1e-3) for n in moved), moved
+        fractions = [moved[n] / rms[n] for n in moved]
+        assert max(fractions) > 3 * min(fractions)  # one lr: the tensors move at very different rates
 
 
 def test_fp16_and_tail_modes_run(stage_inputs):
