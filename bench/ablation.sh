@@ -11,12 +11,16 @@
 set -euo pipefail
 export PYTHONPATH=/root/site:/root/smk:$PWD PATH=/root/smk/bin:$PATH PYTHONUNBUFFERED=1
 BASE=bench/ablation/base.yaml
+# Every device call copies this checkout afresh, so every source file has a new mtime and Snakemake's
+# default triggers would rerun the shared prefix in each variant's copy (session 7 lost ~3 GPU minutes
+# a variant, and its variants trained on different corpora). A changed setting or rule still reruns.
+TRIGGERS="--rerun-triggers params input software-env code"
 case $1 in
 prefix)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   python -c "import torch, transformers, snakemake; print('torch', torch.__version__, 'transformers', transformers.__version__, 'snakemake', snakemake.__version__)" | tee -a "$OUT/gpu.txt"
   CUDA_VISIBLE_DEVICES=0 snakemake --cores 16 results/student/encoded.cmf results/teacher/topk.0.h5 \
-    --quiet rules --configfile $BASE 2>&1 | tail -20
+    $TRIGGERS --quiet rules --configfile $BASE 2>&1 | tail -20
   tar czf "$OUT/prefix.tgz" logs benchmarks
   ;;
 run)
@@ -26,7 +30,7 @@ run)
     dir=/root/ablation/$name
     [[ -d $dir ]] || { mkdir -p /root/ablation && cp -a "$PWD" "$dir"; }
     ( set +e; cd "$dir"; start=$(date +%s)
-      CUDA_VISIBLE_DEVICES=$gpu snakemake --cores 8 results/model.cmf results/eval.json --quiet rules \
+      CUDA_VISIBLE_DEVICES=$gpu snakemake --cores 8 results/model.cmf results/eval.json $TRIGGERS --quiet rules \
         --configfile $BASE "bench/ablation/$name.yaml" > "$dir/snakemake.log" 2>&1;
       echo "$name: exit $? after $(( $(date +%s) - start )) s" >> "$dir/snakemake.log"
       tar czf "$OUT/$name.tgz" snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl 2>/dev/null || true ) &

@@ -187,3 +187,28 @@ def test_greedy_decoding_on_cuda_matches_the_cpu(tiny_cmf, monkeypatch):
         runs[device] = torch.stack(out, 1).cpu()
     agree = (runs["cuda"] == runs["cpu"]).float().mean()
     assert agree > 0.98, agree  # float32 on both; a near-tie may round the other way and change what follows
+
+
+def test_a_packed_export_on_cuda_gives_nvgs_logits(stage_inputs, tmp_path):
+    """`nvg export-hf --packed`, loaded by transformers on the GPU in bf16 (nvg/hf_quantizer.py's BlrLinear),
+    against nvg's own model on the GPU under bf16 autocast and against the float32 CPU reference."""
+    import nvg.hf_quantizer  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    from nvg.export_hf import main as export_hf
+    from nvg.model import load_model
+
+    export_hf(stage_inputs / "student.cmf", tmp_path / "packed", "bfloat16", packed=True)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "packed", dtype=torch.bfloat16).cuda().eval()
+    assert isinstance(hf.model.layers[0].mlp.down_proj, nvg.hf_quantizer.BlrLinear)
+    ids = torch.randint(0, 300, (2, 64))
+    with torch.no_grad():
+        reference = load_model(stage_inputs / "student.cmf")(ids)
+        ours_gpu = load_model(stage_inputs / "student.cmf", torch.device("cuda"))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ours = ours_gpu(ids.cuda()).float().cpu()
+        theirs = hf(ids.cuda()).logits.float().cpu()
+    scale = reference.abs().max().item()
+    assert (theirs - reference).abs().max().item() <= 0.03 * scale
+    assert (theirs - ours).abs().max().item() <= 0.03 * scale
+    assert (theirs.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.9
