@@ -69,13 +69,13 @@ def main():
             loaded = torch.cuda.memory_allocated()
             rate = forward_rate(model, ids, a.iters, a.windows)
             with torch.no_grad():
-                logits[kind] = model(ids[:1]).logits.float()
+                logits[kind] = model(ids[:1]).logits.float().cpu()  # off the GPU: the next model's memory is its own
             out[kind] = {"folder_bytes": folder_bytes(folder), "model_gpu_bytes": loaded,
                          "peak_gpu_bytes": torch.cuda.max_memory_allocated(), "forward_tok_s": rate}
             del model
     ours = load_model(a.student, device)
     with torch.no_grad(), autocast(device, "bf16"):
-        logits["nvg"] = ours(ids[:1]).float()
+        logits["nvg"] = ours(ids[:1]).float().cpu()
     scale = logits["nvg"].abs().max().item()
     for kind in ("dense", "packed"):
         out[kind]["max_abs_logit_diff_vs_nvg_over_max"] = (logits[kind] - logits["nvg"]).abs().max().item() / scale
