@@ -2,7 +2,7 @@
 
     nvg inspect FILE.cmf      header, tensors, dtypes, shapes, bits per weight
     nvg verify FILE.cmf       every hash; exit 1 on any mismatch
-    nvg export-hf FILE OUT/   a dense Hugging Face folder (config, safetensors, tokenizer)
+    nvg export-hf FILE OUT/   a Hugging Face folder (config, safetensors, tokenizer), dense or --packed
     nvg generate FILE PROMPT  text from any CMF, greedy or sampled, --chat for the chat template
     nvg progress [DIR]        each stage's status, time and latest progress line, from DIR/logs
     nvg <stage> ...           the same as `python -m nvg.<stage> ...`
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
         .add_argument("directory", nargs="?", default=".", help="the workflow's folder (default: here)")
     for s in STAGES:
         sub.add_parser(s.replace("_", "-"), help=f"pipeline stage {s} (python -m nvg.{s})")
-    sub.add_parser("export-hf", help="a dense Hugging Face folder from a CMF")
+    sub.add_parser("export-hf", help="a Hugging Face folder from a CMF, dense or --packed (BLR kept as bits)")
     sub.add_parser("generate", help="text from a CMF, greedy or sampled")
     a = ap.parse_args(argv)
     if a.cmd == "inspect":

@@ -1,4 +1,4 @@
-"""export-hf: transformers loads the dense folder with the same logits as nvg's BLR model."""
+"""export-hf: transformers loads the dense and the packed folder with the same logits as nvg's BLR model."""
 
 from __future__ import annotations
 
