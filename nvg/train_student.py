@@ -316,7 +316,7 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
     if run.group.main:
         export_student(run.student, d.model, out, {
             "teacher": teacher_name, "windows_hash": d.targets.windows_hash, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
-            "lr": s.lr, "targets": s.targets, "steps": st.done,
+            "lr": s.lr, "lr_relative": s.lr_relative, "targets": s.targets, "steps": st.done,
             **({"hidden_weight": s.hidden_weight} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,
             "tail": s.tail, "precision": s.precision, "processes": run.group.world, "evals": st.evals,
