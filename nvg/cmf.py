@@ -402,26 +402,45 @@ def tensor_to_numpy(t: Tensor) -> np.ndarray:
     if t.dtype == BF16:
         u = np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16
         return u.view(np.float32).reshape(shape)
-    if t.dtype == Q8_ROW:
-        rows = shape[0] if len(shape) > 1 else 1
-        q = np.frombuffer(buf, dtype=np.int8, count=n).astype(np.float32).reshape(rows, -1)
-        return (q * _f16(buf, rows, n)[:, None]).reshape(shape)
+    if t.dtype in (Q8_ROW, Q4_BLOCK):
+        codes, scale = quant_groups(t)
+        return (codes.astype(np.float32) * scale[:, None]).reshape(-1)[:n].reshape(shape)
     if t.dtype == Q8_2F:
         q = np.frombuffer(buf, dtype=np.int8, count=n).astype(np.float32).reshape(shape[0], -1)
         row = _f16(buf, shape[0], n)
         col = _f16(buf, shape[-1], n + 2 * shape[0])
         return (q * row[:, None] * col[None, :]).reshape(shape)
-    if t.dtype == Q4_BLOCK:
-        groups = -(-n // 32)
-        nib = np.frombuffer(buf, dtype=np.uint8, count=groups * 16)
-        q = np.stack([nib & 0x0F, nib >> 4], axis=1).reshape(groups, 32).astype(np.float32) - 8.0
-        scale = _f16(buf, groups, groups * 16)
-        return (q * scale[:, None]).reshape(-1)[:n].reshape(shape)
     if t.dtype == BLR:
         from nvg import blr
 
         return blr.decode(buf).dequantize().reshape(shape)
     raise NvgError(f"tensor {t.name!r}: dtype {DTYPE_NAMES[t.dtype]} cannot be read as weights")
+
+
+def _code_bytes(t: Tensor) -> int:
+    return t.numel if t.dtype == Q8_ROW else -(-t.numel // 32) * 16
+
+
+def quant_groups(t: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A q8_row or q4_block tensor as its integer codes, int8 [groups, group size], and its f16 scales as
+    float32 [groups]: w = code · scale of its group. A q8_row group is a row; a q4_block group is 32
+    consecutive values of the flattened tensor (the last one zero-padded), its code the nibble − 8."""
+    buf = bytes(t.data)
+    if t.dtype == Q8_ROW:
+        rows = t.shape[0] if len(t.shape) > 1 else 1
+        return np.frombuffer(buf, dtype=np.int8, count=t.numel).reshape(rows, -1).copy(), _f16(buf, rows, t.numel)
+    if t.dtype == Q4_BLOCK:
+        groups = -(-t.numel // 32)
+        nib = np.frombuffer(buf, dtype=np.uint8, count=groups * 16)
+        codes = np.stack([nib & 0x0F, nib >> 4], axis=1).reshape(groups, 32).astype(np.int8) - 8
+        return codes, _f16(buf, groups, groups * 16)
+    raise ValueError(f"quant_groups: tensor {t.name!r} is {DTYPE_NAMES[t.dtype]}, not q8_row or q4_block")
+
+
+def with_group_scales(t: Tensor, scales: np.ndarray) -> bytes:
+    """`t`'s payload (q8_row or q4_block) with its codes kept and new scales, rounded to f16."""
+    quant_groups(t)  # the dtype check
+    return bytes(t.data)[: _code_bytes(t)] + np.asarray(scales, dtype=np.float32).astype("<f2").tobytes()
 
 
 def dense_tensor(name: str, array: np.ndarray, dtype: int = F16) -> Tensor:

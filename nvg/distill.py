@@ -48,10 +48,12 @@ def lr_shape(step: int, total: int) -> float:
 
 
 def trainable(model) -> dict[str, torch.nn.Parameter]:
-    """h, ℓ, g of every BLR linear and every RMSNorm gain; everything else frozen."""
+    """h, ℓ, g of every BLR linear, every RMSNorm gain and the group scales of a q8_row / q4_block
+    embedding or LM head; everything else frozen."""
     params = {}
+    group_scales = {id(p) for p in model.group_scales().values()}
     for name, p in model.named_parameters():
-        keep = name.endswith((".h", ".ell", ".g")) or name.endswith("norm.weight")
+        keep = name.endswith((".h", ".ell", ".g")) or name.endswith("norm.weight") or id(p) in group_scales
         p.requires_grad_(keep)
         if keep:
             params[name] = p

@@ -8,16 +8,18 @@ q/k norms when present (Qwen2/Qwen3), and tied embeddings.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from nvg import blr as blr_codec
-from nvg.cmf import BLR, CmfFile, read_cmf, tensor_to_numpy
+from nvg.cmf import BLR, Q4_BLOCK, Q8_ROW, CmfFile, quant_groups, read_cmf, tensor_to_numpy
 from nvg.errors import NvgError
 from nvg.layout import BODY_ROLES
 
@@ -95,9 +97,10 @@ class BlrLinear(nn.Module):
         self.ell = nn.Parameter(stack([p.ell for p in payload.paths]))  # [P, r]
         self.g = nn.Parameter(stack([p.g for p in payload.paths]))  # [P, d_in]
         signs = [p.signs() for p in payload.paths]
-        # ±1 as float: parameters (frozen unless sign training asks for their gradients, nvg/sign_training.py)
-        self.su = nn.Parameter(stack([s[0] for s in signs]), requires_grad=False)  # [P, d_out, r]
-        self.sv = nn.Parameter(stack([s[1] for s in signs]), requires_grad=False)  # [P, r, d_in]
+        # ±1 in bf16, where they are exact: 2 bytes a sign (float32 took 4), read as the GEMM's own dtype on
+        # CUDA. Parameters, frozen unless sign training asks for their gradients (nvg/sign_training.py).
+        self.su = nn.Parameter(stack([s[0] for s in signs]).to(torch.bfloat16), requires_grad=False)  # [P, d_out, r]
+        self.sv = nn.Parameter(stack([s[1] for s in signs]).to(torch.bfloat16), requires_grad=False)  # [P, r, d_in]
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     @property
@@ -113,13 +116,13 @@ class BlrLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def dense_weight(self) -> torch.Tensor:
-        return torch.einsum("po,por,pr,pri,pi->oi", self.h, self.su, self.ell, self.sv, self.g)
+        return torch.einsum("po,por,pr,pri,pi->oi", self.h, self.su.float(), self.ell, self.sv.float(), self.g)
 
     def to_payload(self) -> blr_codec.BlrTensor:
         """Back to the codec (scales rounded to f16 on encode; signs from the ±1 buffers)."""
         return blr_codec.BlrTensor.from_factors([
             (self.h[p].detach().cpu().numpy(), self.g[p].detach().cpu().numpy(), self.ell[p].detach().cpu().numpy(),
-             self.su[p].detach().cpu().numpy(), self.sv[p].detach().cpu().numpy())
+             self.su[p].detach().float().cpu().numpy(), self.sv[p].detach().float().cpu().numpy())
             for p in range(self.h.shape[0])
         ])
 
@@ -217,6 +220,28 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class GroupScaled(nn.Module):
+    """The weight of a q8_row or q4_block tensor (the embedding, an untied LM head) as a parametrization
+    (torch.nn.utils.parametrize): its integer codes fixed, one trainable scale per group (a row of q8_row,
+    32 consecutive values of q4_block), weight = code · scale. So a student with a quantised embedding
+    trains the very scales its file stores, and the codes stay those the encoder chose."""
+
+    def __init__(self, codes: torch.Tensor, shape: tuple[int, ...]):
+        super().__init__()
+        self.register_buffer("codes", codes)  # int8 [groups, group size]
+        self.shape = tuple(shape)
+
+    def forward(self, scales: torch.Tensor) -> torch.Tensor:
+        flat = (self.codes.to(scales.dtype) * scales[:, None]).reshape(-1)
+        return flat[: math.prod(self.shape)].reshape(self.shape)
+
+    def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
+        """Each group's least-squares scale for `weight` (exactly the stored scale when these codes encode it)."""
+        c = self.codes.to(weight.dtype)
+        w = F.pad(weight.reshape(-1), (0, c.numel() - weight.numel())).reshape(c.shape)
+        return (c * w).sum(1) / (c * c).sum(1).clamp_min(1)
+
+
 class Body(nn.Module):
     def __init__(self, embed, layers, norm):
         super().__init__()
@@ -290,6 +315,12 @@ class Llama(nn.Module):
     def norm_gains(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.named_parameters() if n.endswith("norm.weight")}
 
+    def group_scales(self) -> dict[str, nn.Parameter]:
+        """The trainable scales of a q8_row / q4_block embedding or LM head (`GroupScaled`), by CMF name."""
+        modules = {"model.embed_tokens.weight": self.model.embed_tokens, "lm_head.weight": getattr(self, "lm_head", None)}
+        return {name: m.parametrizations.weight.original for name, m in modules.items()
+                if m is not None and parametrize.is_parametrized(m, "weight")}
+
 
 def build_model(cfg: ModelConfig, get) -> Llama:
     """Assemble a model; `get(name)` returns a float32 torch tensor, a `blr.BlrTensor`, or None if absent."""
@@ -337,6 +368,12 @@ def load_model(source: str | CmfFile, device: str | torch.device = "cpu") -> Lla
 
     with torch.device("cpu"):
         model = build_model(cfg, get)
+        for name, module in (("model.embed_tokens.weight", model.model.embed_tokens), ("lm_head.weight", getattr(model, "lm_head", None))):
+            t = cmf.tensors.get(name)
+            if module is not None and t is not None and t.dtype in (Q8_ROW, Q4_BLOCK):
+                codes, scales = quant_groups(t)
+                parametrize.register_parametrization(module, "weight", GroupScaled(torch.from_numpy(codes), t.shape))
+                module.parametrizations.weight.original.data.copy_(torch.from_numpy(scales))  # the file's, bit for bit
     return model.to(device).eval()
 
 

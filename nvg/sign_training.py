@@ -112,6 +112,9 @@ class SignTrainer:
         for name, m in model.blr_linears().items():
             for part in ("su", "sv"):
                 key = f"{name}:{part}"
+                # the student keeps its signs in bf16; their straight-through gradients, summed over every
+                # token, need float32 (bf16 ones solve the toy problem of tests/test_sign_training.py worse)
+                getattr(m, part).data = getattr(m, part).data.float()
                 self.mats[key] = getattr(m, part)
                 self.role[key] = parse_body_linear(name)[1] if parse_body_linear(name) else "other"
         self.latents = {k: self._fresh(p) for k, p in self.mats.items()}

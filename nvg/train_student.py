@@ -1,4 +1,5 @@
-"""Stage `train_student`: distil the BLR metric (h, ℓ, g of every path) and the RMSNorm gains.
+"""Stage `train_student`: distil the BLR metric (h, ℓ, g of every path), the RMSNorm gains and, when the
+embedding or LM head is q8_row / q4_block, their group scales.
 
 setup → fit → finish. The loss and the optimizer step are `nvg/distill.py`'s: KL to the teacher's
 top-k, Adam (0.9, 0.999, 1e-8; with `lr_relative` each tensor's step is scaled by its starting RMS), linear warm-up over max(1, steps/50) then cosine to zero over the
@@ -34,7 +35,7 @@ import torch
 from nvg import distributed
 from nvg.artifacts import check_encoded_from, encoded_from
 from nvg.atomic import atomic_path
-from nvg.cmf import BLR, F16, CmfFile, Tensor, dense_tensor, read_verified, write_cmf
+from nvg.cmf import BLR, F16, CmfFile, Tensor, dense_tensor, read_verified, with_group_scales, write_cmf
 from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
@@ -291,12 +292,15 @@ def export_student(student_cmf, model, out: Path, provenance_block: dict) -> Non
     """A copy of the student with the trained payload values: same tensors, shapes, dtypes and sizes."""
     blr = model.blr_linears()
     gains = model.norm_gains()
+    group_scales = model.group_scales()
     tensors = []
     for name, t in student_cmf.tensors.items():
         if name in blr and t.dtype == BLR:
             data = blr[name].to_payload().encode()
         elif name in gains and t.dtype == F16:
             data = dense_tensor(name, gains[name].detach().cpu().numpy(), F16).data
+        elif name in group_scales:
+            data = with_group_scales(t, group_scales[name].detach().float().cpu().numpy())
         else:
             data = t.data
         if len(data) != len(t.data):

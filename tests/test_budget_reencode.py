@@ -162,10 +162,16 @@ def test_config_paths_reach_the_shell_as_one_quoted_word(tiny_hf, tiny_corpus, t
 
 
 @pytest.mark.parametrize("fmt", ["q8_row", "q4_block"])
-def test_the_embedding_in_cortiqs_quantised_formats_trains_and_exports(tiny_stages, tiny_cmf, tmp_path, fmt):
+def test_the_embedding_in_cortiqs_quantised_formats_trains_its_scales_and_exports(tiny_stages, tiny_cmf, tmp_path, fmt):
+    """Encoded in q8_row / q4_block; the student computes the tied embedding and head from the file's codes
+    and scales exactly, training moves the scales (nvg/model.py: GroupScaled), and every code stays."""
     import shutil
 
-    from nvg.cmf import Q4_BLOCK, Q8_ROW, tensor_to_numpy, verify
+    import torch
+
+    from nvg.cmf import Q4_BLOCK, Q8_ROW, quant_groups, tensor_to_numpy, verify
+    from nvg.distill import trainable
+    from nvg.model import load_model
     from nvg.layout import bits_summary
     from tests.conftest import train
 
@@ -181,8 +187,15 @@ def test_the_embedding_in_cortiqs_quantised_formats_trains_and_exports(tiny_stag
     assert row["method"] == fmt and 0 < row["rel_error"] < 0.2 and row["bpw"] == pytest.approx(8 * len(t.data) / t.numel)
     assert bits_summary(student)["file_bpw"] < bits_summary(f16)["file_bpw"]
     assert student.header["provenance"]["nvg_encode"]["embedding"] == fmt
+    model = load_model(tmp_path / "student.cmf")
+    scales = model.group_scales()
+    assert list(scales) == [name] and any(p is scales[name] for p in trainable(model).values())
+    assert torch.equal(model.head_weight, torch.from_numpy(tensor_to_numpy(t)))  # tied: the head is the same matrix
     trained = train(tmp_path, "trained")
-    assert bytes(trained.tensors[name].data) == bytes(t.data)  # frozen: the student trains around it
+    assert trained.header["provenance"]["nvg_train"]["heldout_kl_best"] < trained.header["provenance"]["nvg_train"]["heldout_kl_start"]
+    (codes, before), (codes_after, after) = quant_groups(t), quant_groups(trained.tensors[name])
+    assert len(trained.tensors[name].data) == len(t.data) and np.array_equal(codes, codes_after)
+    assert not np.array_equal(before, after)
     assert verify(tmp_path / "trained.cmf") == []
     w = tensor_to_numpy(trained.tensors[name])
     assert np.isfinite(w).all() and w.shape == tuple(t.shape)

@@ -108,6 +108,24 @@ def test_q8_row_and_q4_block_are_written_as_cortiq_reads_them(tmp_path, dtype, t
     assert verify(tmp_path / "q.cmf") == []
 
 
+@pytest.mark.parametrize("dtype", [Q8_ROW, Q4_BLOCK])
+def test_a_quantised_tensor_splits_into_codes_and_scales_and_takes_new_scales(dtype):
+    from nvg.cmf import quant_groups, with_group_scales
+
+    w = np.random.default_rng(3).normal(size=(6, 80)).astype(np.float32)  # 480 values: q4's last group padded
+    t = dense_tensor("e", w, dtype)
+    codes, scales = quant_groups(t)
+    assert codes.dtype == np.int8 and codes.shape == ((6, 80) if dtype == Q8_ROW else (15, 32))
+    assert codes.min() >= (-127 if dtype == Q8_ROW else -8) and codes.max() <= (127 if dtype == Q8_ROW else 7)
+    assert np.array_equal((codes * scales[:, None]).reshape(-1)[: w.size].reshape(w.shape), tensor_to_numpy(t))
+    assert with_group_scales(t, scales) == bytes(t.data)  # the same scales give the same bytes
+    doubled = Tensor("e", dtype, t.shape, with_group_scales(t, 2 * scales))
+    assert len(doubled.data) == len(t.data) and np.array_equal(quant_groups(doubled)[0], codes)
+    assert np.allclose(tensor_to_numpy(doubled), 2 * tensor_to_numpy(t))
+    with pytest.raises(ValueError, match="not q8_row or q4_block"):
+        quant_groups(dense_tensor("e", w, F16))
+
+
 def test_shards_round_trip(tmp_path):
     tensors = sample_tensors()
     paths = write_cmf_shards(tmp_path / "m-00001-of-00003.cmf", HEADER, tensors, b"vocab", 3)
