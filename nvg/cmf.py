@@ -439,7 +439,8 @@ def quant_groups(t: Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 def with_group_scales(t: Tensor, scales: np.ndarray) -> bytes:
     """`t`'s payload (q8_row or q4_block) with its codes kept and new scales, rounded to f16."""
-    quant_groups(t)  # the dtype check
+    if t.dtype not in (Q8_ROW, Q4_BLOCK):
+        raise ValueError(f"with_group_scales: tensor {t.name!r} is {DTYPE_NAMES[t.dtype]}, not q8_row or q4_block")
     return bytes(t.data)[: _code_bytes(t)] + np.asarray(scales, dtype=np.float32).astype("<f2").tobytes()
 
 
