@@ -7,8 +7,8 @@ Methods:
 * `dual-svid` — LittleBit's data-free baseline: truncated SVD, signs of the balanced factors, rank-1
   fits of their magnitudes, a residual second path. Kept for comparison.
 * `nvg` (default) — data-aware: the SVD of the whitened weight W·L (H = L·Lᵀ) gives the signs, then
-  alternating closed-form least-squares fits of h, ℓ, g under H and an exact coordinate-descent
-  refinement of the U signs (`sign_sweep.py`), path by path.
+  alternating closed-form least-squares fits of h, ℓ, g under H and exact coordinate-descent
+  refinements of the U signs, and with `signs: uv` of the V signs too (`sign_sweep.py`), path by path.
 
 P = 1, 2 or auto (auto keeps the lower relative SEL error at equal budget). The stage driver that
 walks a model's tensors is `budget_reencode.py`.
@@ -24,7 +24,7 @@ import torch
 
 from nvg import blr as codec
 from nvg.errors import NvgError
-from nvg.sign_sweep import flip_u_signs
+from nvg.sign_sweep import flip_u_signs, flip_v_signs
 
 
 @dataclass
@@ -39,6 +39,7 @@ class EncodeSettings:
     rowweight: bool
     damp: float
     iters: int
+    signs: str
     embedding: str
     device: str
 
@@ -106,9 +107,15 @@ def ridge_solve(m: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve(m + ridge * torch.eye(len(m), dtype=m.dtype, device=m.device), rhs)
 
 
-def refine_path(f, target, H, rho, iters: int):
+def path_error(f, target, H, rho) -> torch.Tensor:
+    d = target - path_weight(f)
+    return (rho[:, None] * (d @ H) * d).sum()
+
+
+def refine_path(f, target, H, rho, iters: int, v_signs: bool = False):
     """Alternating closed-form fits of h, ℓ, g under E = Σ_o ρ_o (t_o − ŵ_o) H (t_o − ŵ_o)ᵀ and exact
-    coordinate descent on the U signs (each row of S_U is a small binary quadratic problem)."""
+    coordinate descent on the U signs (each row of S_U is a small binary quadratic problem); with
+    `v_signs`, then on the V signs, kept where they lower E (their rows are coupled; `flip_v_signs`)."""
     h, ell, g, su, sv = f
     TH = target @ H
     for _ in range(iters):
@@ -128,6 +135,10 @@ def refine_path(f, target, H, rho, iters: int):
         mm = ell[:, None] * sv * g[None, :]
         mmh = mm @ H
         su = flip_u_signs(su, h, mmh @ mm.T, TH @ mm.T)
+        if v_signs:
+            swept = flip_v_signs(sv, h[:, None] * su * ell[None, :], g, target, H, rho)
+            if path_error([h, ell, g, su, swept], target, H, rho) < path_error([h, ell, g, su, sv], target, H, rho):
+                sv = swept
     return [h, ell, g, su, sv]
 
 
@@ -184,7 +195,7 @@ def encode_tensor(W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, bpw: floa
             for _ in range(max(1, s.iters // 2) if paths > 1 else 1):  # block coordinate descent over paths
                 for p in range(paths):
                     others = sum((path_weight(factors[q]) for q in range(paths) if q != p), torch.zeros_like(Wt))
-                    factors[p] = refine_path(factors[p], Wt - others, H, rho, s.iters)
+                    factors[p] = refine_path(factors[p], Wt - others, H, rho, s.iters, s.signs == "uv")
         blr = codec.BlrTensor.from_factors([[x.cpu().numpy() for x in (f[0], f[2], f[1], f[3], f[4])] for f in factors])
         What = torch.from_numpy(blr.dequantize()).to(device, torch.float32)  # as stored: f16 scales
         err = rel_error(Wt, What, Hs)

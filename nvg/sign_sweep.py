@@ -1,4 +1,4 @@
-"""The encoder's U-sign refinement: one exact coordinate-descent sweep over the columns of S_U.
+"""The encoder's sign refinement: exact coordinate-descent sweeps over the signs of S_U, and of S_V.
 
 For every output row o the signs s = S_U[o, :] minimise h_o² sᵀ G s − 2 h_o sᵀ c_o with
 G = M H Mᵀ and c_o = M H t_o. Flipping s_k changes that objective by
@@ -12,6 +12,12 @@ so column after column a sign flips where δ_k < 0, and the running product G s 
 * CPU (`_sweep_cpu`, numpy float64): vectorised over rows, column-major, with G s kept exact for the
   current block of columns and brought up to date with one matrix product per block.
 Both are exact in float64 and give the same signs (tests/test_gpu_fast_paths.py on the device).
+
+S_V (`flip_v_signs`) is the same problem a row at a time: with A = diag(h) S_U diag(ℓ), P = Aᵀρ A and
+M = diag(g) H diag(g), row k of S_V minimises P_kk vᵀ M v − 2 vᵀ c_k, c_k = g ⊙ ((Aᵀρ T − P° X) H)_k
+(X = S_V diag(g), P° = P without its diagonal): the U sweep with h_o → √P_kk and G → M. Unlike the rows
+of S_U, the rows of S_V are coupled through P°, so they are swept in `groups` interleaved groups, and c
+is brought up to date between groups; the caller keeps the sweep only if it lowered the objective.
 """
 
 from __future__ import annotations
@@ -31,6 +37,22 @@ def flip_u_signs(su: torch.Tensor, h: torch.Tensor, G: torch.Tensor, c: torch.Te
     if su.is_cuda and triton is not None:
         return _sweep_cuda(su, h, G, c)
     return _sweep_cpu(su, h, G, c)
+
+
+def flip_v_signs(sv: torch.Tensor, a: torch.Tensor, g: torch.Tensor, target: torch.Tensor, H: torch.Tensor,
+                 rho: torch.Tensor, groups: int = 8) -> torch.Tensor:
+    """S_V [r, i] after one sweep; a = diag(h) S_U diag(ℓ) [o, r], g [i], target [o, i], H [i, i], ρ [o]."""
+    P = a.T @ (rho[:, None] * a)
+    coupling = P - torch.diag(P.diagonal())
+    M = g[:, None] * H * g[None, :]
+    aT = (a * rho[:, None]).T @ target
+    root = P.diagonal().clamp_min(1e-30).sqrt()
+    sv = sv.clone()
+    for first in range(groups):
+        rows = torch.arange(first, len(sv), groups, device=sv.device)
+        c = ((aT[rows] - coupling[rows] @ (sv * g[None, :])) @ H) * g[None, :]
+        sv[rows] = flip_u_signs(sv[rows], root[rows], M, c / root[rows, None])
+    return sv
 
 
 def _sweep_cpu(su, h, G, c, block: int = 32) -> torch.Tensor:

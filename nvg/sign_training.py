@@ -3,10 +3,11 @@ straight-through latents, the seed's `--train-signs`.
 
 Every sign gets a real latent z with the sign of its bit, so every sign keeps its bit at the start.
 `init` sets its magnitude: `uniform` puts every latent at τ, so the first bits to cross are the ones
-with the noisiest gradients; `teacher` (needs the live teacher) gives each sign a confidence, the
-real-valued least-squares factor it stands for (`teacher_confidence`), scaled so that the mean |z| is τ:
-a sign the teacher's weight barely prefers starts near the band and flips first, a sign it disagrees
-with starts at 0 (inside the band). The forward pass uses
+with the noisiest gradients; `margin` (needs the teacher's weights and input Grams) gives each sign the
+encoder's own judgement of it, its one-flip margin (`gram_margin`): how much E = tr((W − Ŵ) H (W − Ŵ)ᵀ)
+would grow if that sign alone flipped. Scaled so that the matrix's median margin sits at τ and floored
+at 2·hyst: a sign the encoder was nearly indifferent to starts close to the band and flips first, one it
+needed stays far from it. The forward pass uses
 the bits. The backward pass takes ∂L/∂s straight through, with surrogate slope k = 2/τ, as ∂L/∂z.
 As soon as one matrix's gradient is ready (a post-accumulate-grad hook), its latents are updated and
 the gradient is freed. So at most one dense sign gradient exists at a time, never a buffer for the
@@ -37,7 +38,6 @@ from typing import ClassVar
 
 import torch
 
-from nvg.encoder import ridge_solve
 from nvg.layout import BODY_ROLES, parse_body_linear
 from nvg.settings import check
 
@@ -75,24 +75,31 @@ class SignSettings:
 
 
 @torch.no_grad()
-def teacher_confidence(m, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """How strongly the teacher's weight `w` [d_out, d_in] wants each bit of `m`'s S_U and S_V: for each
-    path, with everything else fixed, the real-valued least-squares factor that takes the sign's place,
-    times the bit (positive: agrees), clamped at 0. With T = w minus the other paths, A = diag(h) S_U
-    diag(ℓ) and B = diag(ℓ) S_V diag(g):  U* = diag(1/h) T S̃ᵀ (S̃ S̃ᵀ)⁻¹ diag(1/ℓ) with S̃ = S_V diag(g),
-    and V* = (AᵀA)⁻¹ Aᵀ T diag(1/g) — two r×r solves a matrix, in float64."""
+def gram_margin(m, w: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How much the encoder's objective E = tr(D H Dᵀ), D = W − Ŵ, grows when one sign of `m`'s S_U or S_V
+    flips and everything else stays: with A = diag(h) S_U diag(ℓ) and B = S_V diag(g) of each path,
+        ΔS_U[o, k] = 4 s h_o ℓ_k (D H Bᵀ)_ok + 4 h_o² ℓ_k² (B H Bᵀ)_kk
+        ΔS_V[k, j] = 4 s g_j (Aᵀ D H)_kj + 4 g_j² ‖a_k‖² H_jj
+    (s the sign's value). Negative where the flip alone would lower E. One D H and two products per path,
+    in float64; `w` [d_out, d_in] is the teacher's weight, `H` [d_in, d_in] its input Gram."""
     h, ell, g, su, sv = (t.detach().double() for t in (m.h, m.ell, m.g, m.su, m.sv))
-    paths = torch.einsum("po,por,pr,pri,pi->poi", h, su, ell, sv, g)
-    target = w.detach().double()
-    cu, cv = torch.empty_like(su), torch.empty_like(sv)
+    H = H.to(h.device, torch.float64)
+    DH = (w.detach().to(h.device, torch.float64) - torch.einsum("po,por,pr,pri,pi->oi", h, su, ell, sv, g)) @ H
+    mu, mv = torch.empty_like(su), torch.empty_like(sv)
     for p in range(len(h)):
-        t = target - (paths.sum(0) - paths[p])
-        s_v = sv[p] * g[p]
-        u = ridge_solve(s_v @ s_v.T, (t @ s_v.T / h[p][:, None]).T).T / ell[p]
         a = h[p][:, None] * su[p] * ell[p]
-        v = ridge_solve(a.T @ a, a.T @ t) / g[p]
-        cu[p], cv[p] = (u * su[p]).clamp_min(0), (v * sv[p]).clamp_min(0)
-    return cu.float(), cv.float()
+        b = sv[p] * g[p]
+        mu[p] = 4 * su[p] * h[p][:, None] * ell[p] * (DH @ b.T) + 4 * (h[p] ** 2)[:, None] * ell[p] ** 2 * ((b @ H) * b).sum(1)
+        mv[p] = 4 * sv[p] * g[p] * (a.T @ DH) + 4 * g[p] ** 2 * (a * a).sum(0)[:, None] * H.diagonal()
+    return mu.float(), mv.float()
+
+
+def margin_magnitudes(margin: torch.Tensor, s: SignSettings) -> torch.Tensor:
+    """|z| from one matrix's margins: the median positive margin at τ, floored at 2·hyst (a sign whose
+    flip would lower E starts there too, keeping its bit until the gradient says otherwise), clamped."""
+    pos = margin.clamp_min(0)
+    unit = pos[pos > 0].median() if bool((pos > 0).any()) else torch.ones((), device=margin.device)
+    return (pos / unit * s.tau).clamp(2 * s.hyst, s.clamp)
 
 
 class SignTrainer:
@@ -101,8 +108,10 @@ class SignTrainer:
 
     name = "signs"
 
-    def __init__(self, model, settings: SignSettings, total_steps: int, group, teacher=None):
-        assert settings.init == "uniform" or teacher is not None, "init: teacher needs the teacher model"
+    def __init__(self, model, settings: SignSettings, total_steps: int, group, reference=None):
+        """`reference(name)`: the teacher's weight and input Gram of a BLR linear (None where there is no
+        Gram, which keeps those latents uniform); needed by `init: margin`."""
+        assert settings.init == "uniform" or reference is not None, "init: margin needs the teacher's weights and Grams"
         self.s, self.group = settings, group
         self.eta0 = settings.peak_eta(total_steps)
         self.eta = 0.0  # set before every backward pass by `begin_step`
@@ -118,12 +127,13 @@ class SignTrainer:
                 self.mats[key] = getattr(m, part)
                 self.role[key] = parse_body_linear(name)[1] if parse_body_linear(name) else "other"
         self.latents = {k: self._fresh(p) for k, p in self.mats.items()}
-        if settings.init == "teacher":
-            weights = dict(teacher.named_parameters())
+        if settings.init == "margin":
             for name, m in model.blr_linears().items():
-                for part, c in zip(("su", "sv"), teacher_confidence(m, weights[name])):
-                    z = self.latents[f"{name}:{part}"]["z"]
-                    z.copy_(getattr(m, part) * (c * (settings.tau / c.mean().clamp_min(1e-30))).clamp(max=settings.clamp))
+                ref = reference(name)
+                if ref is None:
+                    continue
+                for part, margin in zip(("su", "sv"), gram_margin(m, *ref)):
+                    self.latents[f"{name}:{part}"]["z"].copy_(getattr(m, part) * margin_magnitudes(margin, settings))
         self.counters = {"sign_steps": 0, "eta_mul": 1.0, "hi_streak": 0, "bad_evals": 0,
                          "flips_total": 0, "saturated_total": 0, "clamped_total": 0}
         self.live = sum(p.numel() for p in self.mats.values())

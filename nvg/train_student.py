@@ -33,13 +33,14 @@ from typing import Callable, ClassVar
 import torch
 
 from nvg import distributed
-from nvg.artifacts import check_encoded_from, encoded_from
+from nvg.artifacts import check_encoded_from, check_grams, encoded_from, read_grams
 from nvg.atomic import atomic_path
 from nvg.cmf import BLR, F16, CmfFile, Tensor, dense_tensor, read_verified, with_group_scales, write_cmf
 from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
+from nvg.layout import ROLE_INPUT, parse_body_linear
 from nvg.model import compile_blocks, load_model, pick_device
 from nvg.settings import SETTINGS_HELP, check, load
 from nvg.sign_training import SignSettings, SignTrainer
@@ -74,7 +75,7 @@ class TrainSettings:
         check(self.targets == "live" or self.hidden_weight == 0, "train", "hidden_weight",
               f"needs targets: live (the cached top-k has no hidden states), got {self.hidden_weight}")
         check(self.targets == "live" or self.signs.init == "uniform", "train", "signs.init",
-              "teacher needs targets: live (the confidences come from the live teacher's weights)")
+              "margin needs targets: live (the margins come from the live teacher's weights)")
         check(self.targets == "topk" or not self.tail, "train", "tail", "applies to targets: topk only (live targets have the whole vocabulary)")
 
 
@@ -161,23 +162,37 @@ class Run:
     say: Callable
 
 
-def live_teacher(teacher: Path, student: CmfFile, device):
+def live_teacher(t_cmf: CmfFile, student: CmfFile, device):
     """The teacher as a frozen model beside the student, after checking that the student was encoded
     from it (the teacher hash the encoder recorded) and has its shape."""
-    t_cmf = read_verified(teacher)
     check_encoded_from(student, t_cmf)
     for key in ("vocab_size", "hidden_size", "num_layers"):
         if t_cmf.arch.get(key) != student.arch.get(key):
-            raise NvgError(f"{teacher}: arch.{key} {t_cmf.arch.get(key)} differs from the student's {student.arch.get(key)}")
+            raise NvgError(f"{t_cmf.path}: arch.{key} {t_cmf.arch.get(key)} differs from the student's {student.arch.get(key)}")
     model = compile_blocks(load_model(t_cmf, device))
     model.requires_grad_(False)
     return model
 
 
-def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teacher: Path | None = None) -> Run:
+def sign_reference(grams: Path, teacher_cmf: CmfFile, teacher):
+    """`init: margin`'s reference: the live teacher's weight and the FIT input Gram of each body linear,
+    read one linear at a time, after checking that the Grams are the teacher's."""
+    check_grams(grams, teacher_cmf)
+    weights = dict(teacher.named_parameters())
+
+    def reference(name: str):
+        body = parse_body_linear(name)
+        if body is None:
+            return None
+        return weights[name], torch.from_numpy(read_grams(grams, body[0], ROLE_INPUT[body[1]])[0])
+    return reference
+
+
+def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teacher: Path | None = None,
+          grams: Path | None = None) -> Run:
     """The student on its device, its targets (the top-k files, or the live `teacher`), the optimizer,
-    the training modes, and the run state: resumed from `state_root` when a state for these inputs and
-    settings exists."""
+    the training modes (sign training's `init: margin` reads the teacher's `grams`), and the run state:
+    resumed from `state_root` when a state for these inputs and settings exists."""
     torch.manual_seed(s.seed)
     group = distributed.start(pick_device(s.device))
     say = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if group.main else (lambda *a, **k: None)  # noqa: E731
@@ -187,13 +202,17 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     live = s.targets == "live"
     if live != (teacher is not None) or live == bool(topk):
         raise NvgError(f"config train.targets: {s.targets} needs {'--teacher and no --topk' if live else '--topk files and no --teacher'}")
+    margin = s.signs.enabled and s.signs.init == "margin"
+    if margin != (grams is not None):
+        raise NvgError(f"config train.signs: {'init: margin needs --grams' if margin else '--grams is read only by enabled signs with init: margin'}")
     targets = Targets.from_files(windows, topk, s_cmf.arch["vocab_size"])
     if targets.topk is not None:
         targets.topk.check_teacher(encoded_from(s_cmf), f"{student} was encoded from teacher")
     device = group.device(pick_device(s.device))
+    t_cmf = read_verified(teacher) if live else None
     d = Distiller(compile_blocks(load_model(s_cmf, device)), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
-                  teacher=live_teacher(teacher, s_cmf, device) if live else None, hidden_weight=s.hidden_weight)
+                  teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight)
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
     n_batches = targets.n_train // s.batch
@@ -202,10 +221,10 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     total = n_batches * s.epochs
     opt = torch.optim.Adam(param_groups(d.params, s.lr_relative), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     if s.signs.enabled:
-        d.modes.append(SignTrainer(d.model, s.signs, total, group, teacher=d.teacher))
+        d.modes.append(SignTrainer(d.model, s.signs, total, group, reference=sign_reference(grams, t_cmf, d.teacher) if margin else None))
     for mode in d.modes:
         say(mode.describe())
-    state_file = Path(s.state_root) / state_key([student, windows, *topk, *([teacher] if live else [])], s) / "state.safetensors"
+    state_file = Path(s.state_root) / state_key([student, windows, *topk, *([teacher] if live else []), *([grams] if grams else [])], s) / "state.safetensors"
     if state_file.exists():
         st = RunState.load(state_file, d, opt)
         say(f"train_student: resumed {state_file} at step {st.done} (epoch {st.epoch}, batch {st.pos})")
@@ -334,8 +353,8 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
 
 
 def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out: Path, metrics: Path,
-         settings: TrainSettings, teacher: Path | None = None) -> None:
-    run = setup(student, windows, topk, settings, teacher)
+         settings: TrainSettings, teacher: Path | None = None, grams: Path | None = None) -> None:
+    run = setup(student, windows, topk, settings, teacher, grams)
     fit(run)
     finish(run, teacher_name, out, metrics)
 
@@ -347,12 +366,13 @@ def cli(argv=None):
     ap.add_argument("--windows", required=True, type=Path, help="the token windows (results/data/windows.h5)")
     ap.add_argument("--topk", type=Path, nargs="+", default=[], help="the cached targets (train.targets: topk)")
     ap.add_argument("--teacher", type=Path, help="the teacher CMF, run live (train.targets: live)")
+    ap.add_argument("--grams", type=Path, help="the teacher's input Grams (train.signs.init: margin)")
     ap.add_argument("--teacher-name", default="teacher.cmf", help="the teacher as recorded in the provenance")
     ap.add_argument("--out", required=True, type=Path, help="the trained student CMF (the best held-out snapshot)")
     ap.add_argument("--metrics", required=True, type=Path, help="per-step metrics (JSON lines)")
     ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     a = ap.parse_args(argv)
-    main(a.student, a.windows, a.topk, a.teacher_name, a.out, a.metrics, load(TrainSettings, a.settings), a.teacher)
+    main(a.student, a.windows, a.topk, a.teacher_name, a.out, a.metrics, load(TrainSettings, a.settings), a.teacher, a.grams)
 
 
 if __name__ == "__main__":

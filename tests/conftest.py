@@ -127,7 +127,7 @@ def tiny_stages(tiny_cmf, tiny_corpus, tmp_path_factory) -> Path:
 def stage_inputs(tiny_cmf, tiny_stages, tmp_path_factory):
     """A private copy of the stage outputs and the teacher: these tests write their runs beside them."""
     d = tmp_path_factory.mktemp("train")
-    for name in ("windows.h5", "topk.0.h5", "student.cmf"):
+    for name in ("windows.h5", "topk.0.h5", "student.cmf", "grams.h5"):
         shutil.copy(tiny_stages / name, d / name)
     shutil.copy(tiny_cmf, d / "teacher.cmf")
     return d
@@ -142,8 +142,9 @@ def train(d, name, **kw):
     s = load(TrainSettings, **{"epochs": 2, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2,
                          "state_root": str(d / f"state-{name}"), **kw})
     live = s.targets == "live"  # the live teacher is the tiny teacher's CMF copied beside the stage outputs
+    margin = s.signs.enabled and s.signs.init == "margin"
     main(d / "student.cmf", d / "windows.h5", [] if live else [d / "topk.0.h5"], "tiny", d / f"{name}.cmf",
-         d / f"{name}.jsonl", s, d / "teacher.cmf" if live else None)
+         d / f"{name}.jsonl", s, d / "teacher.cmf" if live else None, d / "grams.h5" if margin else None)
     return read_cmf(d / f"{name}.cmf")
 
 

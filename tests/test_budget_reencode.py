@@ -74,6 +74,30 @@ def test_data_aware_encoder_beats_dual_svid(bpw):
     assert errs["nvg"] < 0.7 * errs["dual-svid"]
 
 
+@pytest.mark.parametrize("paths", ["1", "2"])
+def test_refining_the_v_signs_too_lowers_the_error(paths):
+    w, h_fit, h_sel = correlated_problem()
+    errs = {}
+    for signs in ("u", "uv"):
+        s = load(EncodeSettings, paths=paths, signs=signs, device="cpu")
+        errs[signs] = encode_tensor(w, h_fit, h_sel, 1.0, "up", 16, s, torch.device("cpu"), "t")[1]["rel_fit_error"]
+    assert errs["uv"] < 0.97 * errs["u"], errs
+
+
+def test_a_v_sign_sweep_one_row_at_a_time_never_raises_the_objective():
+    from nvg.encoder import path_error, whitened_path, damped
+    from nvg.sign_sweep import flip_v_signs
+
+    w, h_fit, _ = correlated_problem()
+    H, chol = damped(torch.from_numpy(h_fit).double(), 0.01)
+    target = torch.from_numpy(w).double()
+    h, ell, g, su, sv = whitened_path(target, 16, chol)
+    rho = torch.ones(len(target), dtype=torch.float64)
+    before = path_error([h, ell, g, su, sv], target, H, rho)
+    swept = flip_v_signs(sv, h[:, None] * su * ell[None, :], g, target, H, rho, groups=len(sv))  # Gauss-Seidel: exact
+    assert (swept != sv).any() and path_error([h, ell, g, su, swept], target, H, rho) < before
+
+
 def test_a_budget_below_rank_8_names_the_minimum():
     w, h_fit, h_sel = correlated_problem()
     with pytest.raises(NvgError, match=r"t: 0.1000 bpw cannot hold even rank 8 \(the minimum is"):

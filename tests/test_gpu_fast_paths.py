@@ -27,15 +27,28 @@ def test_triton_sign_sweep_equals_the_cpu_sweep(o, r):
     assert torch.equal(fast.cpu(), ref)
 
 
+def test_the_v_sign_sweep_on_cuda_equals_the_cpu_sweep():
+    g = torch.Generator().manual_seed(3)
+    a, gv = torch.randn(1536, 184, generator=g).double(), torch.rand(576, generator=g).double()
+    x = torch.randn(2048, 576, generator=g).double()
+    target, H, rho = torch.randn(1536, 576, generator=g).double(), x.T @ x, torch.ones(1536, dtype=torch.float64)
+    sv = torch.sign(torch.randn(184, 576, generator=g)).double()
+    ref = sign_sweep.flip_v_signs(sv, a, gv, target, H, rho)
+    fast = sign_sweep.flip_v_signs(*(t.cuda() for t in (sv, a, gv, target, H, rho)))
+    assert fast.is_cuda and (ref != sv).any()
+    assert torch.equal(fast.cpu(), ref)
+
+
 def test_encoding_on_cuda_matches_the_cpu():
     rng = np.random.default_rng(0)
     X = rng.standard_normal((2048, 576)).astype(np.float32) * rng.uniform(0.1, 3, 576).astype(np.float32)
     W, H = rng.standard_normal((1536, 576)).astype(np.float32) * 0.05, (X.T @ X).astype(np.float32)
-    s = load(enc.EncodeSettings, bpw=1.0)
-    _, cpu = enc.encode_tensor(W, H, H, 1.0, "gate", 64, s, torch.device("cpu"), "gate")
-    _, gpu = enc.encode_tensor(W, H, H, 1.0, "gate", 64, s, torch.device("cuda"), "gate")
-    assert (gpu["paths"], gpu["rank"]) == (cpu["paths"], cpu["rank"])
-    assert gpu["rel_sel_error"] == pytest.approx(cpu["rel_sel_error"], rel=0.02)
+    for signs in ("u", "uv"):
+        s = load(enc.EncodeSettings, bpw=1.0, signs=signs)
+        _, cpu = enc.encode_tensor(W, H, H, 1.0, "gate", 64, s, torch.device("cpu"), "gate")
+        _, gpu = enc.encode_tensor(W, H, H, 1.0, "gate", 64, s, torch.device("cuda"), "gate")
+        assert (gpu["paths"], gpu["rank"]) == (cpu["paths"], cpu["rank"])
+        assert gpu["rel_sel_error"] == pytest.approx(cpu["rel_sel_error"], rel=0.02)
 
 
 def _loss_and_grads(model, ids, t_ids, t_logp, recompute_every):

@@ -88,16 +88,20 @@ def topk_shards():
 
 
 def training_targets():
-    """train_student's targets: the cached top-k shards, or the teacher itself when it runs live."""
+    """train_student's targets: the cached top-k shards, or the teacher itself when it runs live (with its
+    input Grams when sign training starts its latents from the encoder's margins)."""
     if config["train"]["targets"] == "live":
-        return {"teacher": "results/teacher.cmf"}
+        signs = config["train"]["signs"]
+        margin = signs["enabled"] and signs["init"] == "margin"
+        return {"teacher": "results/teacher.cmf", **({"grams": "results/grams/teacher.h5"} if margin else {})}
     return {"topk": topk_shards()}
 
 
 def targets_args(wildcards, input):
     """The command-line options naming `training_targets()`."""
     if "teacher" in input.keys():
-        return f"--teacher {shlex.quote(input.teacher)}"
+        grams = f" --grams {shlex.quote(input.grams)}" if "grams" in input.keys() else ""
+        return f"--teacher {shlex.quote(input.teacher)}{grams}"
     return "--topk " + " ".join(shlex.quote(p) for p in input.topk)
 
 
