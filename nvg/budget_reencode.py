@@ -95,7 +95,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     header = dict(base.header)
     prov = dict(header.get("provenance", {}))
     prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw,
-                          "paths": settings.paths, "embedding": settings.embedding, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
+                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "embedding": settings.embedding, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov
     header["quant_type"] = "BLR"
