@@ -240,6 +240,25 @@ def test_margin_initialised_signs_train_with_the_live_teacher_and_its_grams(stag
     assert prov["init"] == "margin" and prov["flips"] > 0
 
 
+def test_margin_initialisation_refuses_grams_of_another_model(stage_inputs, tmp_path):
+    import shutil
+
+    import h5py
+
+    from nvg.train_student import TrainSettings, main
+
+    grams = tmp_path / "grams.h5"
+    shutil.copy(stage_inputs / "grams.h5", grams)
+    with h5py.File(grams, "r+") as f:
+        f.attrs["model_hash"] = "0" * 16
+    s = load(TrainSettings, epochs=1, batch=8, targets="live", state_root=str(tmp_path / "state"), signs={**SIGNS, "init": "margin"})
+    out = tmp_path / "out.cmf"
+    with pytest.raises(NvgError, match=r"grams\.h5: Grams of model 0{16}, not of .*teacher\.cmf"):
+        main(stage_inputs / "student.cmf", stage_inputs / "windows.h5", [], "tiny", out, tmp_path / "m.jsonl", s,
+             stage_inputs / "teacher.cmf", grams)
+    assert not out.exists()
+
+
 def test_margin_initialised_signs_need_the_live_teacher():
     from nvg.train_student import TrainSettings
 
