@@ -98,6 +98,16 @@ def test_a_v_sign_sweep_one_row_at_a_time_never_raises_the_objective():
     assert (swept != sv).any() and path_error([h, ell, g, su, swept], target, H, rho) < before
 
 
+def test_two_paths_fall_back_to_one_where_the_budget_cannot_hold_two():
+    w, h_fit, h_sel = correlated_problem()
+    bpw = codec.bits_per_weight(1, 8, *w.shape)  # rank 8 with one path, exactly
+    assert codec.max_rank(bpw, 2, *w.shape) < 8
+    _, row = encode_tensor(w, h_fit, h_sel, bpw, "up", 16, load(EncodeSettings, paths="2", device="cpu"), torch.device("cpu"), "t")
+    assert (row["paths"], row["rank"]) == (1, 8)
+    _, row = encode_tensor(w, h_fit, h_sel, 1.0, "up", 16, load(EncodeSettings, paths="2", device="cpu"), torch.device("cpu"), "t")
+    assert row["paths"] == 2
+
+
 def test_a_budget_below_rank_8_names_the_minimum():
     w, h_fit, h_sel = correlated_problem()
     with pytest.raises(NvgError, match=r"t: 0.1000 bpw cannot hold even rank 8 \(the minimum is"):
