@@ -7,8 +7,8 @@ with the noisiest gradients; `margin` (needs the teacher's weights and input Gra
 encoder's own judgement of it, its one-flip margin (`gram_margin`): how much E = tr((W − Ŵ) H (W − Ŵ)ᵀ)
 would grow if that sign alone flipped. Scaled so that the matrix's median margin sits at τ and floored
 at 2·hyst: a sign the encoder was nearly indifferent to starts close to the band and flips first, one it
-needed stays far from it. The forward pass uses
-the bits. The backward pass takes ∂L/∂s straight through, with surrogate slope k = 2/τ, as ∂L/∂z.
+needed stays far from it. The forward pass uses the bits. The backward pass takes ∂L/∂s straight
+through, with surrogate slope k = 2/τ, as ∂L/∂z.
 As soon as one matrix's gradient is ready (a post-accumulate-grad hook), its latents are updated and
 the gradient is freed. So at most one dense sign gradient exists at a time, never a buffer for the
 whole model. A bit flips only when its latent crosses the hysteresis band: z > hyst gives +1,
