@@ -65,9 +65,13 @@ def toy(seed=0, d=32, r=16, flip=0.1):
     return target, student
 
 
-def run_toy(student, target, settings: SignSettings, steps: int, seed=1):
-    trainer = SignTrainer(OneLinear(student), settings, steps, Group())
-    x = torch.randn(256, student.g.shape[1], generator=torch.Generator().manual_seed(seed))
+def toy_inputs(d: int, seed=1) -> torch.Tensor:
+    return torch.randn(256, d, generator=torch.Generator().manual_seed(seed))
+
+
+def run_toy(student, target, settings: SignSettings, steps: int, seed=1, reference=None):
+    trainer = SignTrainer(OneLinear(student), settings, steps, Group(), reference=reference)
+    x = toy_inputs(student.g.shape[1], seed)
     with torch.no_grad():
         y = target(x)
     losses, notes = [], []
@@ -184,9 +188,9 @@ def test_bad_sign_settings(text, message):
 
 
 def toy_reference(target, seed=1):
-    """The toy's `reference`: the target's dense weight and the input Gram of the batch `run`s on."""
-    x = torch.randn(256, target.g.shape[1], generator=torch.Generator().manual_seed(seed))
-    return x, lambda name: (target.dense_weight(), x.T @ x)
+    """The toy's `reference`: the target's dense weight and the input Gram of the batch `run_toy` trains on."""
+    x = toy_inputs(target.g.shape[1], seed)
+    return lambda name: (target.dense_weight(), x.T @ x)
 
 
 def test_the_margin_is_the_encoders_objective_change_when_one_sign_flips():
@@ -194,8 +198,7 @@ def test_the_margin_is_the_encoders_objective_change_when_one_sign_flips():
 
     target, student = toy(flip=0.05, r=8)
     student.h.data[0] *= 1.3  # not the target's scales either: D H has no special structure
-    x, reference = toy_reference(target)
-    w, H = reference("")
+    w, H = toy_reference(target)("")
     H64, w64 = H.double(), w.double()
     objective = lambda lin: float(((w64 - lin.dense_weight().double()) @ H64 * (w64 - lin.dense_weight().double())).sum())  # noqa: E731
     mu, mv = gram_margin(student, w, H)
@@ -218,16 +221,7 @@ def test_margin_initialised_latents_flip_the_wrong_bits_first():
         target, student = toy(flip=0.05)
         wrong = int((student.su != target.su).sum() + (student.sv != target.sv).sum())
         settings = load(SignSettings, enabled=True, init=init, eta=0.01, warm=2, max_step_flip=1.0, max_total_flip=1.0)
-        x, reference = toy_reference(target)
-        trainer = SignTrainer(OneLinear(student), settings, 100, Group(), reference=reference if init == "margin" else None)
-        y = target(x)
-        losses = []
-        for step in range(1, 101):
-            trainer.begin_step(lr_shape(step, 100), 1.0)
-            loss = (student(x) - y).pow(2).mean()
-            loss.backward()
-            trainer.end_step()
-            losses.append(float(loss.detach()))
+        _, losses, _ = run_toy(student, target, settings, 100, reference=toy_reference(target) if init == "margin" else None)
         results[init] = (wrong, int((student.su != target.su).sum() + (student.sv != target.sv).sum()), losses[0], losses[-1])
     (wrong, still, first, last), (_, still_uniform, _, last_uniform) = results["margin"], results["uniform"]
     assert still < 0.5 * wrong and last < 0.3 * first, results
