@@ -52,9 +52,9 @@ def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(folder)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, **overrides)
+    cfg = LlamaConfig(**{**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True), **overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norm gains so that norm handling is exercised
