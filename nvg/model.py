@@ -88,7 +88,13 @@ class BlrLinear(nn.Module):
     cores (±1 is exact in bf16), and no activation-sized elementwise op at all. Backward is four GEMMs
     (two for the input gradient, one each for the A and B gradients); the scale gradients are then
     weight-sized reductions of those. The cost is P·r·(d_in + d_out) multiply-adds per token, about
-    d_in·d_out at 1 bpw (docs/benchmarks.md)."""
+    d_in·d_out at 1 bpw (docs/benchmarks.md).
+
+    On the CPU a call sees few tokens (256 to 1,024 in a training step, one in decoding), so the weight-
+    sized folding and the two weight-sized gradient GEMMs cost more than scaling the activations: there
+    the scales are applied to x, to the rank-r product and to the output, and backward is the two
+    input-gradient GEMMs plus token sums for h, ℓ and g (a training step of 256 tokens on 2 cores:
+    2.03 s folded, 1.68 s so; docs/benchmarks.md)."""
 
     def __init__(self, payload: blr_codec.BlrTensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -109,10 +115,14 @@ class BlrLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        paths, rank = self.ell.shape
-        a = (self.sv * (self.ell[:, :, None] * self.g[:, None, :])).to(dt).reshape(paths * rank, self.g.shape[1])
-        b = (self.su * self.h[:, :, None]).to(dt).permute(1, 0, 2).reshape(self.h.shape[1], paths * rank)
-        y = F.linear(F.linear(x, a), b)
+        if x.is_cuda:
+            paths, rank = self.ell.shape
+            a = (self.sv * (self.ell[:, :, None] * self.g[:, None, :])).to(dt).reshape(paths * rank, self.g.shape[1])
+            b = (self.su * self.h[:, :, None]).to(dt).permute(1, 0, 2).reshape(self.h.shape[1], paths * rank)
+            y = F.linear(F.linear(x, a), b)
+        else:
+            t = torch.einsum("...pi,pri->...pr", x.unsqueeze(-2) * self.g.to(dt), self.sv.to(dt)) * self.ell.to(dt)
+            y = (torch.einsum("...pr,por->...po", t, self.su.to(dt)) * self.h.to(dt)).sum(-2)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def dense_weight(self) -> torch.Tensor:
