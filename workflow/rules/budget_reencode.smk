@@ -24,7 +24,7 @@ rule budget_reencode:
         # a config path reaches the shell only as one shlex-quoted word
         plan=f"--plan {shlex.quote(config['plan'])}" if config["plan"] else "",
         student=f"--student {shlex.quote(config['student'])}" if config["student"] else "",
-    threads: 2
+    threads: TORCH_THREADS
     resources:
         gpu=1,
         mem_mb=16000,

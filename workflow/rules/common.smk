@@ -21,6 +21,10 @@ validate(config, schema=str(SCHEMA_PATH))
 
 NVG = Path(workflow.basedir) / "nvg"
 STARTED = time.time()
+# Threads a PyTorch stage claims (Snakemake gives it at most --cores): torch already spreads one stage over
+# every core it has, so stages side by side only contend. On 2 cores under `--cores 8`, one teacher pass
+# beside the Gram capture took 137 s, where alone they take about 48 and 25 s.
+TORCH_THREADS = 8
 
 
 def report_step_errors():

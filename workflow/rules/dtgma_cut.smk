@@ -15,7 +15,7 @@ rule dtgma_cut:
         "benchmarks/dtgma_cut.tsv"
     params:
         settings=settings("dtgma"),
-    threads: 2
+    threads: TORCH_THREADS
     resources:
         gpu=1,
         mem_mb=16000,

@@ -16,7 +16,7 @@ rule evaluate:
         "benchmarks/evaluate.tsv"
     params:
         settings=settings("evaluate"),
-    threads: 2
+    threads: TORCH_THREADS
     resources:
         gpu=1,
         mem_mb=16000,

@@ -13,7 +13,7 @@ rule generate_corpus:
         "benchmarks/generate_corpus.{shard}.tsv"
     params:
         settings=settings("generate_corpus"),
-    threads: 2
+    threads: TORCH_THREADS
     resources:
         gpu=1,
         mem_mb=16000,

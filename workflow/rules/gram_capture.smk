@@ -16,7 +16,7 @@ rule gram_capture:
         settings=settings("grams"),
     wildcard_constraints:
         model="teacher|student",
-    threads: 2
+    threads: TORCH_THREADS
     resources:
         gpu=1,
         mem_mb=16000,

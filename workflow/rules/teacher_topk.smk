@@ -14,7 +14,7 @@ rule teacher_topk:
         "benchmarks/teacher_topk.{shard}.tsv"
     params:
         settings=settings("teacher_topk"),
-    threads: 2
+    threads: TORCH_THREADS
     resources:
         gpu=1,
         mem_mb=16000,

@@ -20,7 +20,7 @@ rule train_student:
         teacher=config["teacher"],
         launcher=train_launcher(),
         targets=targets_args,
-    threads: 2
+    threads: TORCH_THREADS
     resources:
         gpu=config["train"]["gpus"],
         mem_mb=32000,
