@@ -84,8 +84,31 @@ def test_refining_the_v_signs_too_lowers_the_error(paths):
     assert errs["uv"] < 0.97 * errs["u"], errs
 
 
+def path_error(f, target, H, rho) -> torch.Tensor:
+    """The encoder's objective E = Σ_o ρ_o (t_o − ŵ_o) H (t_o − ŵ_o)ᵀ of one path, directly."""
+    from nvg.encoder import path_weight
+
+    d = target - path_weight(f)
+    return (rho[:, None] * (d @ H) * d).sum()
+
+
+def test_the_v_sweep_change_is_the_change_of_the_objective():
+    """refine_path keeps a V sweep by `v_sweep_change` (r · d_in² work): it equals E after − E before."""
+    from nvg.encoder import damped, v_sweep_change, whitened_path
+
+    w, h_fit, _ = correlated_problem()
+    H, chol = damped(torch.from_numpy(h_fit).double(), 0.01)
+    target = torch.from_numpy(w).double()
+    h, ell, g, su, sv = whitened_path(target, 16, chol)
+    rho = torch.rand(len(target), generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 0.5
+    flipped = torch.where(torch.rand(sv.shape, generator=torch.Generator().manual_seed(1)) < 0.1, -sv, sv).double()
+    change = v_sweep_change(h[:, None] * su * ell[None, :], rho, target @ H, H, g, sv, flipped)
+    direct = path_error([h, ell, g, su, flipped], target, H, rho) - path_error([h, ell, g, su, sv], target, H, rho)
+    assert change.item() == pytest.approx(direct.item(), rel=1e-9) and direct != 0
+
+
 def test_a_v_sign_sweep_one_row_at_a_time_never_raises_the_objective():
-    from nvg.encoder import path_error, whitened_path, damped
+    from nvg.encoder import whitened_path, damped
     from nvg.sign_sweep import flip_v_signs
 
     w, h_fit, _ = correlated_problem()
