@@ -103,10 +103,10 @@ def real_teacher_cmf(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_stages(tiny_cmf, tiny_corpus, tmp_path_factory) -> Path:
-    """The tiny teacher's stage outputs: windows.h5 (1536 + 8 × 32 tokens), topk.0.h5 (k 8), grams.h5 and the
-    encoded 2-bpw student student.cmf / student.json, made by the step modules themselves."""
+def make_stages(teacher: Path, text: Path, d: Path, plan: Path | None = None, **encode_settings) -> Path:
+    """`teacher`'s stage outputs in `d`: windows.h5 (1536 + 8 × 32 tokens of `text`), topk.0.h5 (k 8),
+    grams.h5 and the encoded student student.cmf / student.json (2 bpw unless `plan` or `encode_settings`
+    say otherwise), made by the step modules themselves."""
     from nvg.budget_reencode import main as encode
     from nvg.encoder import EncodeSettings
     from nvg.gram_capture import GramSettings, main as capture
@@ -114,13 +114,19 @@ def tiny_stages(tiny_cmf, tiny_corpus, tmp_path_factory) -> Path:
     from nvg.teacher_topk import TopkSettings, main as topk
     from nvg.tokenize_windows import WindowSettings, main as make_windows
 
-    d = tmp_path_factory.mktemp("stages")
-    make_windows(tiny_cmf, d / "windows.h5", load(WindowSettings, sources=[{"path": str(tiny_corpus / "story.txt")}],
-                                                            tokens=1536, window=32, eval_windows=8))
-    topk(tiny_cmf, d / "windows.h5", 0, d / "topk.0.h5", load(TopkSettings, k=8, shards=1, batch=8))
-    capture(tiny_cmf, d / "windows.h5", d / "grams.h5", load(GramSettings, fit_windows=16, sel_windows=8))
-    encode(tiny_cmf, d / "grams.h5", d / "student.cmf", d / "student.json", load(EncodeSettings, bpw=2.0, device="cpu"))
+    make_windows(teacher, d / "windows.h5", load(WindowSettings, sources=[{"path": str(text)}],
+                                                          tokens=1536, window=32, eval_windows=8))
+    topk(teacher, d / "windows.h5", 0, d / "topk.0.h5", load(TopkSettings, k=8, shards=1, batch=8))
+    capture(teacher, d / "windows.h5", d / "grams.h5", load(GramSettings, fit_windows=16, sel_windows=8))
+    encode(teacher, d / "grams.h5", d / "student.cmf", d / "student.json",
+           load(EncodeSettings, **{"bpw": 2.0, "device": "cpu", **encode_settings}), plan)
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_stages(tiny_cmf, tiny_corpus, tmp_path_factory) -> Path:
+    """The tiny teacher's stage outputs (`make_stages`)."""
+    return make_stages(tiny_cmf, tiny_corpus / "story.txt", tmp_path_factory.mktemp("stages"))
 
 
 @pytest.fixture(scope="module")

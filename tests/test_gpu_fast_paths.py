@@ -83,31 +83,22 @@ def test_every_block_of_a_mixed_plan_runs_compiled(tmp_path, caplog):
     with every block compiled: dynamo's recompile limit is not hit (past it, blocks silently ran eager at
     half speed), and the compiled loss and gradients are the eager CPU model's."""
     from nvg.artifacts import read_topk, read_windows
-    from nvg.budget_reencode import main as encode
-    from nvg.gram_capture import GramSettings, main as capture
     from nvg.import_teacher import main as import_teacher
     from nvg.model import compile_blocks, load_model
-    from nvg.teacher_topk import TopkSettings, main as topk
-    from nvg.tokenize_windows import WindowSettings, main as make_windows
-    from tests.conftest import corpus_text, make_tiny_llama
+    from tests.conftest import corpus_text, make_stages, make_tiny_llama
 
     import_teacher(str(make_tiny_llama(tmp_path / "hf", num_hidden_layers=6)), tmp_path / "t.cmf", "f16")
     (tmp_path / "story.txt").write_text(corpus_text(4000, 1))
-    make_windows(tmp_path / "t.cmf", tmp_path / "w.h5", load(WindowSettings, sources=[{"path": str(tmp_path / "story.txt")}],
-                                                               tokens=1536, window=32, eval_windows=8))
-    topk(tmp_path / "t.cmf", tmp_path / "w.h5", 0, tmp_path / "topk.h5", load(TopkSettings, k=8, shards=1, batch=8, device="cpu"))
-    capture(tmp_path / "t.cmf", tmp_path / "w.h5", tmp_path / "g.h5", load(GramSettings, fit_windows=16, sel_windows=8, device="cpu"))
     (tmp_path / "plan").write_text("default 2.0\nlayer 1 3.0\nlayer 2 2.5\nlayer 3 1.5\nlayer 4 4.0\nlayer 5 3.5\n")
-    encode(tmp_path / "t.cmf", tmp_path / "g.h5", tmp_path / "s.cmf", tmp_path / "s.json",
-           load(enc.EncodeSettings, bpw=2.0, paths="auto", device="cpu"), tmp_path / "plan")
-    student = load_model(tmp_path / "s.cmf")
+    make_stages(tmp_path / "t.cmf", tmp_path / "story.txt", tmp_path, tmp_path / "plan", paths="auto")
+    student = load_model(tmp_path / "student.cmf")
     assert len({tuple(p.shape for p in layer.parameters()) for layer in student.model.layers}) == 6
 
-    tokens, attrs = read_windows(tmp_path / "w.h5")
-    t_ids, t_logp = read_topk([tmp_path / "topk.h5"], attrs, len(tokens), 300)
+    tokens, attrs = read_windows(tmp_path / "windows.h5")
+    t_ids, t_logp = read_topk([tmp_path / "topk.0.h5"], attrs, len(tokens), 300)
     batch = [torch.from_numpy(a[:8]) for a in (tokens, t_ids, t_logp)]
     ref_loss, ref = _loss_and_grads(student, *batch, 0)
-    fast = compile_blocks(load_model(tmp_path / "s.cmf", "cuda"))
+    fast = compile_blocks(load_model(tmp_path / "student.cmf", "cuda"))
     with caplog.at_level("WARNING", logger="torch._dynamo"):
         loss, got = _loss_and_grads(fast, *(x.cuda() for x in batch), 1)
         with torch.no_grad():
