@@ -7,7 +7,9 @@
 #                                              own copy of this checkout with those results, one per GPU, in
 #                                              parallel; then its eval.json, metrics, logs and stage times to $OUT
 # A variant's copy stays under /root/ablation/NAME while the machine is warm: run it again to resume a
-# killed training (train_student's saved state) or to reuse what it finished.
+# killed training (train_student's saved state) or to reuse what it finished. Snakemake is interrupted after
+# ABLATION_LIMIT_S seconds (default 540), inside the device's 10-minute call limit, so that a variant that
+# does not finish still sends back its logs and metrics (session 10 lost a 0.55 bpw run's log to that limit).
 set -euo pipefail
 export PYTHONPATH=/root/site:/root/smk:$PWD PATH=/root/smk/bin:$PATH PYTHONUNBUFFERED=1
 BASE=bench/ablation/base.yaml
@@ -30,7 +32,7 @@ run)
     dir=/root/ablation/$name
     [[ -d $dir ]] || { mkdir -p /root/ablation && cp -a "$PWD" "$dir"; }
     ( set +e; cd "$dir"; start=$(date +%s)
-      CUDA_VISIBLE_DEVICES=$gpu snakemake --cores 8 results/model.cmf results/eval.json $TRIGGERS --quiet rules \
+      CUDA_VISIBLE_DEVICES=$gpu timeout --signal=INT --kill-after=20 "${ABLATION_LIMIT_S:-540}" snakemake --cores 8 results/model.cmf results/eval.json $TRIGGERS --quiet rules \
         --configfile $BASE "bench/ablation/$name.yaml" > "$dir/snakemake.log" 2>&1;
       echo "$name: exit $? after $(( $(date +%s) - start )) s" >> "$dir/snakemake.log"
       tar czf "$OUT/$name.tgz" snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl 2>/dev/null || true ) &

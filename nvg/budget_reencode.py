@@ -21,7 +21,7 @@ import numpy as np
 from nvg import blr as codec
 from nvg.artifacts import check_encoded_from, check_grams, model_hash, read_grams
 from nvg.atomic import write_json
-from nvg.cmf import BLR, Q4_BLOCK, Q8_ROW, Tensor, dense_tensor, read_cmf, read_verified, tensor_to_numpy, write_cmf
+from nvg.cmf import BLR, Q2TP, Q4_BLOCK, Q4TP, Q8_ROW, Tensor, dense_tensor, read_cmf, read_verified, tensor_to_numpy, write_cmf
 from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
@@ -31,7 +31,7 @@ from nvg.progress import bar
 from nvg.settings import SETTINGS_HELP, load
 
 VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # `encode.embedding` sets their format
-EMBEDDING_DTYPES = {"q8_row": Q8_ROW, "q4_block": Q4_BLOCK}
+EMBEDDING_DTYPES = {"q8_row": Q8_ROW, "q4_block": Q4_BLOCK, "q4tp": Q4TP, "q2tp": Q2TP}
 
 
 def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSettings,

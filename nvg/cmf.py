@@ -26,6 +26,7 @@ import numpy as np
 
 from nvg.atomic import atomic_path
 from nvg.errors import NvgError
+from nvg import tiled
 from nvg.hash64 import hash64, hex16
 
 MAGIC = b"CMF\x01"
@@ -49,7 +50,8 @@ DTYPE_NAMES = {
     16: "q2tp", 19: "blr",
 }
 DTYPE_IDS = {name: i for i, name in DTYPE_NAMES.items()}
-F32, F16, BF16, Q8_ROW, Q4_BLOCK, Q8_2F, BLR = 0, 1, 2, 3, 4, 9, 19
+F32, F16, BF16, Q8_ROW, Q4_BLOCK, Q8_2F, Q4TP, Q2TP, BLR = 0, 1, 2, 3, 4, 9, 15, 16, 19
+TILED_BITS = {Q4TP: 4, Q2TP: 2}  # nvg/tiled.py
 
 # cortiq's ModelArch keys with serde defaults (cortiq.md §1.3): written explicitly so any reader agrees.
 ARCH_REQUIRED = (
@@ -114,6 +116,10 @@ def expected_nbytes(path, t: Tensor, record_offset: int) -> int | None:
         return 6 * -(-n // 32)
     if t.dtype == Q8_2F:
         return n + 2 * t.shape[0] + 2 * t.shape[-1]
+    if t.dtype in TILED_BITS:
+        if len(t.shape) != 2 or t.shape[1] % 32:
+            _fail(path, f"tensor {t.name!r} shape", record_offset + 8, f"{list(t.shape)}: {DTYPE_NAMES[t.dtype]} needs [rows, cols] with cols a multiple of 32")
+        return tiled.nbytes(TILED_BITS[t.dtype], *t.shape)
     if t.dtype == BLR:
         from nvg import blr
 
@@ -402,7 +408,7 @@ def tensor_to_numpy(t: Tensor) -> np.ndarray:
     if t.dtype == BF16:
         u = np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16
         return u.view(np.float32).reshape(shape)
-    if t.dtype in (Q8_ROW, Q4_BLOCK):
+    if t.dtype in (Q8_ROW, Q4_BLOCK, Q4TP, Q2TP):
         codes, scale = quant_groups(t)
         return (codes.astype(np.float32) * scale[:, None]).reshape(-1)[:n].reshape(shape)
     if t.dtype == Q8_2F:
@@ -421,11 +427,17 @@ def _code_bytes(t: Tensor) -> int:
     return t.numel if t.dtype == Q8_ROW else -(-t.numel // 32) * 16
 
 
+GROUP_SCALED = (Q8_ROW, Q4_BLOCK, Q4TP, Q2TP)  # dtypes that are integer codes × one scale per group
+
+
 def quant_groups(t: Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """A q8_row or q4_block tensor as its integer codes, int8 [groups, group size], and its f16 scales as
-    float32 [groups]: w = code · scale of its group. A q8_row group is a row; a q4_block group is 32
-    consecutive values of the flattened tensor (the last one zero-padded), its code the nibble − 8."""
+    """A q8_row, q4_block, q4tp or q2tp tensor as its integer codes, int8 [groups, group size], and its scales
+    as float32 [groups]: w = code · scale of its group. A q8_row group is a row; a q4_block group is 32
+    consecutive values of the flattened tensor (the last one zero-padded), its code the nibble − 8; q4tp
+    and q2tp groups are 32 values of a row, their scales rungs of the row's ladder (nvg/tiled.py)."""
     buf = bytes(t.data)
+    if t.dtype in TILED_BITS:
+        return tiled.groups(buf, TILED_BITS[t.dtype], *t.shape)
     if t.dtype == Q8_ROW:
         rows = t.shape[0] if len(t.shape) > 1 else 1
         return np.frombuffer(buf, dtype=np.int8, count=t.numel).reshape(rows, -1).copy(), _f16(buf, rows, t.numel)
@@ -434,20 +446,23 @@ def quant_groups(t: Tensor) -> tuple[np.ndarray, np.ndarray]:
         nib = np.frombuffer(buf, dtype=np.uint8, count=groups * 16)
         codes = np.stack([nib & 0x0F, nib >> 4], axis=1).reshape(groups, 32).astype(np.int8) - 8
         return codes, _f16(buf, groups, groups * 16)
-    raise ValueError(f"quant_groups: tensor {t.name!r} is {DTYPE_NAMES[t.dtype]}, not q8_row or q4_block")
+    raise ValueError(f"quant_groups: tensor {t.name!r} is {DTYPE_NAMES[t.dtype]}, not one of {GROUP_SCALED}")
 
 
 def with_group_scales(t: Tensor, scales: np.ndarray) -> bytes:
-    """`t`'s payload (q8_row or q4_block) with its codes kept and new scales, rounded to f16."""
+    """`t`'s payload with its codes kept and new scales: rounded to f16 (q8_row, q4_block), or onto refitted
+    row ladders (q4tp, q2tp)."""
+    if t.dtype in TILED_BITS:
+        return tiled.with_scales(bytes(t.data), TILED_BITS[t.dtype], *t.shape, scales)
     if t.dtype not in (Q8_ROW, Q4_BLOCK):
-        raise ValueError(f"with_group_scales: tensor {t.name!r} is {DTYPE_NAMES[t.dtype]}, not q8_row or q4_block")
+        raise ValueError(f"with_group_scales: tensor {t.name!r} is {DTYPE_NAMES[t.dtype]}, not one of {GROUP_SCALED}")
     return bytes(t.data)[: _code_bytes(t)] + np.asarray(scales, dtype=np.float32).astype("<f2").tobytes()
 
 
 def dense_tensor(name: str, array: np.ndarray, dtype: int = F16) -> Tensor:
-    """A Tensor from a float array: f32/f16/bf16 (f16: IEEE round-to-nearest-even), or cortiq's q8_row
+    """A Tensor from a float array: f32/f16/bf16 (f16: IEEE round-to-nearest-even), cortiq's q8_row
     (int8 per row, scale absmax/127) and q4_block (groups of 32, scale absmax/7), rounded to nearest as
-    cortiq's converter does (reference/cortiq.md §1.5)."""
+    cortiq's converter does (reference/cortiq.md §1.5), or q4tp / q2tp (searched scales, `tiled.encode`)."""
     a = np.ascontiguousarray(array, dtype=np.float32)
     if dtype == F32:
         payload = a.astype("<f4").tobytes()
@@ -469,6 +484,10 @@ def dense_tensor(name: str, array: np.ndarray, dtype: int = F16) -> Tensor:
         safe = np.where(scale == 0, 1, scale).astype(np.float32)[:, None]
         q = (np.clip(np.rint(groups / safe), -8, 7) + 8).astype(np.uint8)
         payload = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).tobytes() + scale.tobytes()
+    elif dtype in TILED_BITS:
+        if a.ndim != 2 or a.shape[1] % 32:
+            raise ValueError(f"dense_tensor: {name!r} {list(a.shape)}: {DTYPE_NAMES[dtype]} needs [rows, cols] with cols a multiple of 32")
+        payload = tiled.encode(a, TILED_BITS[dtype])
     else:
-        raise ValueError(f"dense_tensor: dtype {dtype} is not f32/f16/bf16/q8_row/q4_block")
+        raise ValueError(f"dense_tensor: dtype {dtype} is not f32/f16/bf16/q8_row/q4_block/q4tp/q2tp")
     return Tensor(name, dtype, tuple(a.shape), payload)

@@ -48,7 +48,7 @@ def lr_shape(step: int, total: int) -> float:
 
 
 def trainable(model) -> dict[str, torch.nn.Parameter]:
-    """h, ℓ, g of every BLR linear, every RMSNorm gain and the group scales of a q8_row / q4_block
+    """h, ℓ, g of every BLR linear, every RMSNorm gain and the group scales of a group-scaled
     embedding or LM head; everything else frozen."""
     params = {}
     group_scales = {id(p) for p in model.group_scales().values()}

@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from nvg import blr as blr_codec
-from nvg.cmf import BLR, Q4_BLOCK, Q8_ROW, CmfFile, quant_groups, read_cmf, tensor_to_numpy
+from nvg.cmf import BLR, GROUP_SCALED, CmfFile, quant_groups, read_cmf, tensor_to_numpy
 from nvg.errors import NvgError
 from nvg.layout import BODY_ROLES
 
@@ -231,9 +231,9 @@ class Block(nn.Module):
 
 
 class GroupScaled(nn.Module):
-    """The weight of a q8_row or q4_block tensor (the embedding, an untied LM head) as a parametrization
-    (torch.nn.utils.parametrize): its integer codes fixed, one trainable scale per group (a row of q8_row,
-    32 consecutive values of q4_block), weight = code · scale. So a student with a quantised embedding
+    """The weight of a q8_row, q4_block, q4tp or q2tp tensor (the embedding, an untied LM head) as a
+    parametrization (torch.nn.utils.parametrize): its integer codes fixed, one trainable scale per group (a
+    row of q8_row, 32 values of the others), weight = code · scale. So a student with a quantised embedding
     trains the very scales its file stores, and the codes stay those the encoder chose."""
 
     def __init__(self, codes: torch.Tensor, shape: tuple[int, ...]):
@@ -326,7 +326,7 @@ class Llama(nn.Module):
         return {n: p for n, p in self.named_parameters() if n.endswith("norm.weight")}
 
     def group_scales(self) -> dict[str, nn.Parameter]:
-        """The trainable scales of a q8_row / q4_block embedding or LM head (`GroupScaled`), by CMF name."""
+        """The trainable scales of a group-scaled (q8_row, q4_block, q4tp, q2tp) embedding or LM head (`GroupScaled`), by CMF name."""
         modules = {"model.embed_tokens.weight": self.model.embed_tokens, "lm_head.weight": getattr(self, "lm_head", None)}
         return {name: m.parametrizations.weight.original for name, m in modules.items()
                 if m is not None and parametrize.is_parametrized(m, "weight")}
@@ -380,7 +380,7 @@ def load_model(source: str | CmfFile, device: str | torch.device = "cpu") -> Lla
         model = build_model(cfg, get)
         for name, module in (("model.embed_tokens.weight", model.model.embed_tokens), ("lm_head.weight", getattr(model, "lm_head", None))):
             t = cmf.tensors.get(name)
-            if module is not None and t is not None and t.dtype in (Q8_ROW, Q4_BLOCK):
+            if module is not None and t is not None and t.dtype in GROUP_SCALED:
                 codes, scales = quant_groups(t)
                 parametrize.register_parametrization(module, "weight", GroupScaled(torch.from_numpy(codes), t.shape))
                 module.parametrizations.weight.original.data.copy_(torch.from_numpy(scales))  # the file's, bit for bit

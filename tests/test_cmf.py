@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nvg import blr as codec
-from nvg.cmf import (BF16, BLR, ENVELOPE, F16, F32, Q4_BLOCK, Q8_2F, Q8_ROW, RECORD, Tensor, cmf_bytes, dense_tensor,
+from nvg.cmf import (BF16, BLR, ENVELOPE, F16, F32, Q2TP, Q4_BLOCK, Q4TP, Q8_2F, Q8_ROW, RECORD, Tensor, cmf_bytes, dense_tensor,
                      read_cmf, tensor_to_numpy, verify, write_cmf, write_cmf_shards)
 from nvg.errors import NvgError
 from nvg.hash64 import hash64
@@ -122,7 +122,7 @@ def test_a_quantised_tensor_splits_into_codes_and_scales_and_takes_new_scales(dt
     doubled = Tensor("e", dtype, t.shape, with_group_scales(t, 2 * scales))
     assert len(doubled.data) == len(t.data) and np.array_equal(quant_groups(doubled)[0], codes)
     assert np.allclose(tensor_to_numpy(doubled), 2 * tensor_to_numpy(t))
-    with pytest.raises(ValueError, match="not q8_row or q4_block"):
+    with pytest.raises(ValueError, match="not one of"):
         quant_groups(dense_tensor("e", w, F16))
 
 
@@ -264,3 +264,59 @@ def test_cli_inspect_and_verify(tmp_path, capsys):
         main(["verify", str(tmp_path / "missing.cmf")])
     assert e.value.code == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def cortiq_dequant_tiled(buf: bytes, bits: int, rows: int, cols: int) -> np.ndarray:
+    """cortiq-core 0.5.100 `dequant_q4tp` / `dequant_q2tp` (quant.rs), transcribed loop for loop."""
+    gpr, tile = cols // 32, 16 if bits == 4 else 8
+    stride = (gpr * 5 + 7) // 8
+    params_off, codes_off = rows * gpr * tile, rows * gpr * tile + rows * 4
+    out = np.zeros((rows, cols), np.float32)
+    for r in range(rows):
+        lo, st = np.frombuffer(buf, "<f2", 2, params_off + 4 * r).astype(np.float32)
+        ratio, t = np.float32(np.exp2(st)), [np.float32(np.exp2(lo))]
+        for _ in range(31):
+            t.append(np.float32(t[-1] * ratio))
+        if bits == 2:
+            t = [np.float32(0)] + t[:31]
+        codes = buf[codes_off + r * stride: codes_off + (r + 1) * stride]
+        for g in range(gpr):
+            b, sh = g * 5 // 8, g * 5 % 8
+            lo_b, hi_b = codes[b], codes[b + 1] if sh > 3 and b + 1 < len(codes) else 0
+            s = t[((lo_b | (hi_b << 8)) >> sh) & 0x1F]
+            chunk = buf[(r * gpr + g) * tile:(r * gpr + g + 1) * tile]
+            for k, byte in enumerate(chunk):
+                if bits == 4:
+                    out[r, g * 32 + 2 * k] = ((byte & 0x0F) - 8.0) * s
+                    out[r, g * 32 + 2 * k + 1] = (((byte >> 4) & 0x0F) - 8.0) * s
+                else:
+                    for j in range(4):
+                        out[r, g * 32 + 4 * k + j] = (((byte >> (2 * j)) & 3) - 1.5) * s
+    return out
+
+
+@pytest.mark.parametrize("dtype, bits, max_rel", [(Q4TP, 4, 0.02), (Q2TP, 2, 0.2)])
+def test_q4tp_and_q2tp_are_written_as_cortiq_reads_them(tmp_path, dtype, bits, max_rel):
+    """The payload decodes to the same values through cortiq's decoder transcribed above; the sizes are
+    cortiq's sections; a zero group stays exactly zero; the group view takes trained scales back."""
+    from nvg.cmf import quant_groups, with_group_scales
+
+    rng = np.random.default_rng(5)
+    rows, cols = 7, 96  # 3 groups a row: the 5-bit codes straddle a byte
+    w = (rng.normal(size=(rows, cols)) * rng.uniform(0.01, 2, size=(rows, 1))).astype(np.float32)
+    w[1, 32:64] = 0.0  # a zero group
+    t = dense_tensor("e", w, dtype)
+    assert len(t.data) == rows * 3 * (16 if bits == 4 else 8) + rows * 4 + rows * 2
+    write_cmf(tmp_path / "t.cmf", HEADER, [t])
+    back = tensor_to_numpy(read_cmf(tmp_path / "t.cmf").tensors["e"])
+    np.testing.assert_allclose(back, cortiq_dequant_tiled(bytes(t.data), bits, rows, cols), rtol=1e-6, atol=0)
+    assert (back[1, 32:64] == 0).all() and verify(tmp_path / "t.cmf") == []
+    rel = ((back - w) ** 2).sum(1) / (w ** 2).sum(1)
+    assert (rel < max_rel).all(), rel
+    codes, scales = quant_groups(t)
+    assert np.allclose((codes * scales[:, None]).reshape(rows, cols), back)
+    scaled = Tensor("e", dtype, t.shape, with_group_scales(t, scales * 1.3))
+    assert np.array_equal(quant_groups(scaled)[0], codes)
+    np.testing.assert_allclose(tensor_to_numpy(scaled), 1.3 * back, rtol=0.03, atol=1e-6)  # on the refitted ladders
+    with pytest.raises(ValueError, match="cols a multiple of 32"):
+        dense_tensor("e", w[:, :40], dtype)
