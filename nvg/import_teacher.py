@@ -224,6 +224,12 @@ def teacher_tensors(src: TeacherSource, dtype: int) -> list:
     return [dense_tensor(n, src.tensors[n], dtype if src.tensors[n].ndim > 1 else F16) for n in canonical_order(names)]
 
 
+def compact_json(text: bytes) -> bytes:
+    """The same JSON without indentation: SmolLM2's tokenizer.json is 3.52 MB as published and 1.56 MB so,
+    and every student file carries it (issue #19 counts whole-file bytes)."""
+    return json.dumps(json.loads(text), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
 def main(source: str, out: Path, dtype: str = "f16") -> None:
     src = load_source(source)
     if max(_token_ids(src.tokenizer_json).values()) >= src.arch["vocab_size"]:
@@ -233,7 +239,7 @@ def main(source: str, out: Path, dtype: str = "f16") -> None:
         "provenance": {"nvg_import": {"source": str(source), "nvg": __version__}},
         "tokenizer_config": src.tokenizer_config,
     }
-    write_cmf(out, header, teacher_tensors(src, {"f16": F16, "bf16": BF16}[dtype]), src.tokenizer_json)
+    write_cmf(out, header, teacher_tensors(src, {"f16": F16, "bf16": BF16}[dtype]), compact_json(src.tokenizer_json))
     print(f"import_teacher: {len(src.tensors)} tensors from {source} → {out}")
 
 

@@ -124,20 +124,21 @@ def _values(fields: np.ndarray, s: np.ndarray, bits: int) -> np.ndarray:
     return (fields - (8.0 if bits == 4 else 1.5)) * s[..., None]
 
 
-def encode(w: np.ndarray, bits: int, shrink: np.ndarray = np.linspace(0.55, 1.0, 19)) -> bytes:
-    """The q4tp / q2tp payload of a [rows, cols] matrix, cols a multiple of 32. Each group's scale is searched
-    (its absmax over the top level times each `shrink` factor, the least squared error wins), the row's
-    ladder spans those scales, and each group then takes the rung — of the nearest ones in log2 and its
-    neighbours — whose re-rounded values err least."""
+def encode(w: np.ndarray, bits: int, shrink=(1.0,), col_weight: np.ndarray | None = None) -> bytes:
+    """The q4tp / q2tp payload of a [rows, cols] matrix, cols a multiple of 32. Each group's scale is its
+    absmax over the top level times the `shrink` factor whose values err least (squared error, per column
+    weighted by `col_weight`), the row's ladder spans those scales, and each group then takes the rung — of
+    the nearest ones in log2 and its neighbours — whose re-rounded values err least."""
     rows, cols = w.shape
     gpr = cols // GROUP
     g = np.asarray(w, dtype=np.float32).reshape(rows, gpr, GROUP)
+    cw = np.ones((gpr, GROUP), np.float32) if col_weight is None else np.asarray(col_weight, np.float32).reshape(gpr, GROUP)
     top = 7.0 if bits == 4 else 1.5
     amax = np.abs(g).max(2)
     best_s, best_e = np.zeros_like(amax), np.full(amax.shape, np.inf, np.float32)
     for f in shrink:
         s = amax / top * np.float32(f)
-        e = ((g - _values(_round_fields(g, s, bits), s, bits)) ** 2).sum(2)
+        e = (cw * (g - _values(_round_fields(g, s, bits), s, bits)) ** 2).sum(2)
         better = e < best_e
         best_s, best_e = np.where(better, s, best_s), np.where(better, e, best_e)
     return _assemble(g, best_s, bits)

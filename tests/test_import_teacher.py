@@ -27,6 +27,8 @@ def test_hf_folder_becomes_a_dense_cmf_in_canonical_order(tiny_hf, tiny_cmf, tmp
     assert np.array_equal(tensor_to_numpy(cmf.tensors[q]), weights[q].astype(np.float16).astype(np.float32))
     assert cmf.arch["num_kv_heads"] == 2 and cmf.arch["tie_word_embeddings"] is True
     assert cmf.header["tokenizer_config"]["chat_template"].startswith("{% for m in messages %}")
+    published = (tiny_hf / "tokenizer.json").read_bytes()  # the same tokenizer, without the indentation
+    assert json.loads(cmf.vocab) == json.loads(published) and len(cmf.vocab) < len(published) and b"\n" not in cmf.vocab
     again = tmp_path / "again.cmf"  # a CMF teacher re-imports to the same tensors
     import_teacher.main(str(tiny_cmf), again, "f16")
     assert [bytes(t.data) for t in read_cmf(again).tensors.values()] == [bytes(t.data) for t in cmf.tensors.values()]
