@@ -215,12 +215,19 @@ def read_topk(paths: list[Path], windows: dict, n_windows: int, vocab: int) -> t
 # ── grams/{model}.h5 ────────────────────────────────────────────────────────────────────────────────
 
 
+HEAD_INPUT = (None, "head_in")  # the Gram key of the LM head's input: one per model, not per layer
+
+
+def _gram_group(layer: int | None, name: str) -> str:
+    return name if layer is None else f"layer{layer}/{name}"
+
+
 def write_grams(out, fit: dict, sel: dict, count_fit: int, count_sel: int, attrs: dict) -> None:
-    """`fit`/`sel`: {(layer, input name): H float32 [n, n]}."""
+    """`fit`/`sel`: {(layer, input name): H float32 [n, n]}, the head's input under `HEAD_INPUT`."""
     with atomic_path(out) as tmp:
         with h5py.File(tmp, "w") as f:
             for (layer, name), h in fit.items():
-                grp = f.create_group(f"layer{layer}/{name}")
+                grp = f.create_group(_gram_group(layer, name))
                 grp.create_dataset("fit", data=h)
                 grp.create_dataset("sel", data=sel[(layer, name)])
                 grp.attrs.update({"count_fit": count_fit, "count_sel": count_sel})
@@ -240,14 +247,14 @@ def check_grams(path, *models) -> None:
         raise NvgError(f"{path}: Grams of model {made_from}, not of {named}")
 
 
-def read_grams(path, layer: int, name: str) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """(H_fit, H_sel, count_fit, count_sel) of one layer input."""
+def read_grams(path, layer: int | None, name: str) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """(H_fit, H_sel, count_fit, count_sel) of one layer input (layer None: the head's, `HEAD_INPUT`)."""
     try:
         with h5py.File(path, "r") as f:
-            g = f[f"layer{layer}/{name}"]
+            g = f[_gram_group(layer, name)]
             return g["fit"][...], g["sel"][...], int(g.attrs["count_fit"]), int(g.attrs["count_sel"])
     except (OSError, KeyError) as e:
-        raise NvgError(f"{path}: Gram layer{layer}/{name} not readable ({e})") from None
+        raise NvgError(f"{path}: Gram {_gram_group(layer, name)} not readable ({e}); rerun gram_capture") from None
 
 
 # ── corpus/generated.{shard}.h5 ─────────────────────────────────────────────────────────────────────

@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from nvg import blr as codec
-from nvg.artifacts import check_encoded_from, check_grams, model_hash, read_grams
+from nvg import tiled
+from nvg.artifacts import HEAD_INPUT, check_encoded_from, check_grams, model_hash, read_grams
 from nvg.atomic import write_json
-from nvg.cmf import BLR, Q2TP, Q4_BLOCK, Q4TP, Q8_ROW, Tensor, dense_tensor, read_cmf, read_verified, tensor_to_numpy, write_cmf
+from nvg.cmf import BLR, Q2TP, Q4_BLOCK, Q4TP, Q8_ROW, TILED_BITS, Tensor, dense_tensor, read_cmf, read_verified, tensor_to_numpy, write_cmf
 from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
@@ -32,6 +33,24 @@ from nvg.settings import SETTINGS_HELP, load
 
 VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # `encode.embedding` sets their format
 EMBEDDING_DTYPES = {"q8_row": Q8_ROW, "q4_block": Q4_BLOCK, "q4tp": Q4TP, "q2tp": Q2TP}
+
+
+def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeSettings, is_head: bool) -> tuple[Tensor, dict]:
+    """The embedding or LM head in `settings.embedding`. The head (the embedding too when tied) in q4tp / q2tp
+    takes its codes from GPTQ under the Gram of the hidden states it multiplies, damped by
+    `embedding_damp` for its role as the embedding (teacher alone, SmolLM2 q2tp, session 10: 15.3× / 9.2×
+    held-out / python-docs perplexity by rounding, 3.3× / 4.2× so); q8_row and q4_block are rounded as
+    cortiq's converter rounds. Its error is reported on the logits of the SEL hidden states."""
+    H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
+    dtype = EMBEDDING_DTYPES[settings.embedding]
+    if dtype in TILED_BITS:
+        q = Tensor(name, dtype, W.shape, tiled.encode(W, TILED_BITS[dtype], H_fit if is_head else None, settings.embedding_damp))
+    else:
+        q = dense_tensor(name, W, dtype)
+    D = tensor_to_numpy(q).astype(np.float64) - W
+    logit_err = float(np.einsum("ij,jk,ik->", D, H_sel, D) / np.einsum("ij,jk,ik->", W, H_sel, W))
+    return q, {"method": settings.embedding, "bpw": 8.0 * len(q.data) / W.size,
+               "rel_error": float(np.linalg.norm(D) / np.linalg.norm(W)), "rel_logit_error": logit_err}
 
 
 def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSettings,
@@ -84,18 +103,17 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
         if name in payloads:
             tensors.append(Tensor(name, BLR, t.shape, payloads[name]))
         elif name in VOCAB_MATRICES and settings.embedding != "f16":
-            W = tensor_to_numpy(t_cmf.tensors[name])
-            q = dense_tensor(name, W, EMBEDDING_DTYPES[settings.embedding])
-            err = float(np.linalg.norm(tensor_to_numpy(q) - W) / np.linalg.norm(W))
-            rows[name] = {"method": settings.embedding, "bpw": 8.0 * len(q.data) / W.size, "rel_error": err}
-            print(f"  {name}: {settings.embedding} {rows[name]['bpw']:.3f} bpw, rel error {err:.4f}", file=sys.stderr)
+            q, rows[name] = encode_vocab_matrix(name, tensor_to_numpy(t_cmf.tensors[name]), grams, settings,
+                                                is_head=name == "lm_head.weight" or arch.get("tie_word_embeddings", False))
+            print(f"  {name}: {settings.embedding} {rows[name]['bpw']:.3f} bpw, rel error {rows[name]['rel_error']:.4f}, "
+                  f"logits' rel error {rows[name]['rel_logit_error']:.4f}", file=sys.stderr)
             tensors.append(q)
         else:
             tensors.append(Tensor(name, t.dtype, t.shape, t.data))
     header = dict(base.header)
     prov = dict(header.get("provenance", {}))
     prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw,
-                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "embedding": settings.embedding, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
+                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "embedding": settings.embedding, "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov
     header["quant_type"] = "BLR"

@@ -41,6 +41,7 @@ class EncodeSettings:
     iters: int
     signs: str
     embedding: str
+    embedding_damp: float
     device: str
 
 

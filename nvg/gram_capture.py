@@ -1,7 +1,8 @@
 """Stage `gram_capture`: per layer and linear input, the input Grams H = Σ x xᵀ over FIT and SEL tokens.
 
 Inputs: `attn_in` (feeds q/k/v), `attn_out` (feeds o), `mlp_in` (feeds gate/up), `mlp_down` (feeds
-down). FIT windows are the first `fit_windows` training windows, SEL the next `sel_windows` (disjoint);
+down), and once per model `head_in`, the final-normed hidden states the LM head multiplies (the encoder
+of a quantised head, nvg/gptq.py, measures its error on the logits through it). FIT windows are the first `fit_windows` training windows, SEL the next `sel_windows` (disjoint);
 held-out windows are never used. Grams accumulate in float32 on the device through forward hooks.
 Output `grams/{model}.h5` (format in `nvg/artifacts.py`).
 
@@ -19,7 +20,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import model_hash, read_windows, write_grams
+from nvg.artifacts import HEAD_INPUT, model_hash, read_windows, write_grams
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import BODY_ROLES, ROLE_INPUT
@@ -44,20 +45,21 @@ class GramSettings:
 
 
 def capture(model, tokens: np.ndarray, device, batch: int, precision: str, label: str) -> tuple[dict, int]:
-    """{(layer, input): H float32 [n, n]} over all tokens, and the token count."""
+    """{(layer, input): H float32 [n, n]} over all tokens (the head's input under (None, "head_in")), and
+    the token count."""
     grams: dict = {}
-    hooks = []
+
+    def accumulate(key, x):
+        x = x.reshape(-1, x.shape[-1]).float()
+        if key not in grams:
+            grams[key] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+        grams[key].addmm_(x.T, x)
+
+    hooks = [model.model.norm.register_forward_hook(lambda _mod, _args, out: accumulate(HEAD_INPUT, out))]
     for i, layer in enumerate(model.model.layers):
         for name, role in INPUT_LEAD.items():
             module = layer.get_submodule(BODY_ROLES[role])
-
-            def hook(_mod, args, key=(i, name)):
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
-                if key not in grams:
-                    grams[key] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
-                grams[key].addmm_(x.T, x)
-
-            hooks.append(module.register_forward_pre_hook(hook))
+            hooks.append(module.register_forward_pre_hook(lambda _mod, args, key=(i, name): accumulate(key, args[0])))
     try:
         with torch.no_grad(), autocast(device, precision), bar(len(tokens), label, "window") as pb:
             for s in range(0, len(tokens), batch):
@@ -83,7 +85,7 @@ def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> 
     g_fit, c_fit = capture(model, fit, device, settings.batch, settings.precision, "gram_capture FIT")
     g_sel, c_sel = capture(model, sel, device, settings.batch, settings.precision, "gram_capture SEL")
     write_grams(out, g_fit, g_sel, c_fit, c_sel, {"model": str(model_path), "model_hash": model_hash(cmf), "windows_hash": attrs["tokens_blake2b"],
-                                                  "inputs": sorted(set(ROLE_INPUT.values()))})
+                                                  "inputs": sorted(set(ROLE_INPUT.values())) + [HEAD_INPUT[1]]})
     print(f"gram_capture: {len(g_fit)} Grams ({c_fit} FIT + {c_sel} SEL tokens) on {device} → {out}", file=sys.stderr)
 
 

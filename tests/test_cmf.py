@@ -295,7 +295,7 @@ def cortiq_dequant_tiled(buf: bytes, bits: int, rows: int, cols: int) -> np.ndar
     return out
 
 
-@pytest.mark.parametrize("dtype, bits, max_rel", [(Q4TP, 4, 0.02), (Q2TP, 2, 0.2)])
+@pytest.mark.parametrize("dtype, bits, max_rel", [(Q4TP, 4, 0.02), (Q2TP, 2, 0.45)])
 def test_q4tp_and_q2tp_are_written_as_cortiq_reads_them(tmp_path, dtype, bits, max_rel):
     """The payload decodes to the same values through cortiq's decoder transcribed above; the sizes are
     cortiq's sections; a zero group stays exactly zero; the group view takes trained scales back."""

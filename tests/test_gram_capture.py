@@ -32,6 +32,21 @@ def test_layer0_attention_gram_equals_the_normed_embeddings(tiny_stages, tiny_cm
             assert np.allclose(h, h.T) and (np.linalg.eigvalsh(h.astype(np.float64)) > -1e-3 * np.trace(h)).all()
 
 
+def test_the_head_input_gram_is_that_of_the_final_hidden_states(tiny_stages, tiny_cmf):
+    """`head_in`, one per model: Σ hᵀh of the final-normed hidden states the LM head multiplies."""
+    import torch
+
+    from nvg.artifacts import HEAD_INPUT
+    from nvg.model import load_model
+
+    tokens, _ = read_windows(tiny_stages / "windows.h5")
+    with torch.no_grad():
+        h = load_model(tiny_cmf).hidden(torch.from_numpy(tokens[:16])).double().reshape(-1, read_cmf(tiny_cmf).arch["hidden_size"])
+    h_fit, _, count_fit, _ = read_grams(tiny_stages / "grams.h5", *HEAD_INPUT)
+    assert count_fit == 16 * 32
+    np.testing.assert_allclose(h_fit, (h.T @ h).numpy(), rtol=1e-4, atol=1e-3)
+
+
 def test_more_fit_and_sel_windows_than_training_windows_is_one_line(tiny_stages, tiny_cmf, tmp_path, capsys):
     out = tmp_path / "grams.h5"
     fails_cleanly(gram_capture.cli, ["--model", tiny_cmf, "--windows", tiny_stages / "windows.h5", "--out", out,
