@@ -257,6 +257,16 @@ def test_the_embedding_in_cortiqs_quantised_formats_trains_its_scales_and_export
     assert verify(tmp_path / "trained.cmf") == []
     w = tensor_to_numpy(trained.tensors[name])
     assert np.isfinite(w).all() and w.shape == tuple(t.shape)
+    from transformers import AutoModelForCausalLM
+
+    from nvg.export_hf import main as export_hf
+
+    export_hf(tmp_path / "trained.cmf", tmp_path / "hf")  # transformers gets the embedding dense, same logits
+    ids = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        ours = load_model(tmp_path / "trained.cmf")(ids)
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()(ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("bits", [4, 2])

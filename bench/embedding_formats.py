@@ -1,0 +1,80 @@
+"""What each format of the tied embedding / LM head costs the teacher alone (issue #19): the teacher with only
+that matrix replaced, perplexity on held-out windows and on python-docs as a ratio to the unchanged teacher.
+
+    python bench/embedding_formats.py RESULTS   (RESULTS: a default run's results/ folder; float32 on the CPU)
+
+The GPTQ rows use the head-input Gram of the run's Grams file (gram_capture's `head_in`, FIT windows).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from nvg import tiled
+from nvg.artifacts import HEAD_INPUT, read_grams, read_windows
+from nvg.cmf import Q4_BLOCK, dense_tensor, read_verified, tensor_to_numpy
+from nvg.encoder import EncodeSettings, encode_tensor
+from nvg.evaluate import ChatRenderer
+from nvg.model import load_model
+from nvg.sources import source_tokens
+
+WINDOWS = 8  # held-out windows scored
+
+
+def perplexity(model, windows: np.ndarray) -> float:
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for w in windows:
+            ids = torch.from_numpy(w[None].astype(np.int64))
+            logp = torch.log_softmax(model(ids)[0, :-1].float(), -1)
+            nll -= float(logp.gather(1, ids[0, 1:, None]).sum())
+            n += len(w) - 1
+    return float(np.exp(nll / n))
+
+
+def main(results: Path) -> None:
+    cmf = read_verified(results / "teacher.cmf")
+    tokens, attrs = read_windows(results / "data/windows.h5", cmf.arch["vocab_size"])
+    held = tokens[int(attrs["n_train"]):][:WINDOWS]
+    tok = Tokenizer.from_str(cmf.vocab.decode("utf-8"))
+    docs = source_tokens("python-docs", 4096, tok, ChatRenderer(cmf, "python-docs"))
+    docs = docs[: len(docs) // tokens.shape[1] * tokens.shape[1]].reshape(-1, tokens.shape[1])
+    model = load_model(cmf)
+    E = model.model.embed_tokens.weight.data.numpy().copy()
+    H = read_grams(results / "grams/teacher.h5", *HEAD_INPUT)[0].astype(np.float64)
+    base = perplexity(model, held), perplexity(model, docs)
+    print(f"teacher: held-out {base[0]:.2f}, python-docs {base[1]:.2f}")
+
+    def tiled_matrix(bits, hessian=None, damp=0.1):
+        codes, scales = tiled.groups(tiled.encode(E, bits, hessian, damp), bits, *E.shape)
+        return (codes * scales[:, None]).reshape(E.shape), tiled.nbytes(bits, *E.shape)
+
+    def blr_matrix(bpw):
+        s = EncodeSettings(bpw=bpw, method="nvg", paths="1", kv_factor=1.0, rowweight=False, damp=0.01, iters=2,
+                           signs="u", embedding="f16", embedding_damp=0.1, device="cpu")
+        Hn = (H / np.diag(H).mean()).astype(np.float32)
+        b, _ = encode_tensor(E, Hn, Hn, bpw, "embed", cmf.arch["head_dim"], s, "cpu", "embed")
+        return b.dequantize(), len(b.encode())
+
+    q4b = dense_tensor("e", E, Q4_BLOCK)
+    rows = {"q4_block (cortiq's rounding)": (tensor_to_numpy(q4b), len(q4b.data)),
+            "q4tp, rounded": tiled_matrix(4), "q4tp, GPTQ λ 0.1": tiled_matrix(4, H),
+            "q2tp, rounded": tiled_matrix(2)}
+    rows |= {f"q2tp, GPTQ λ {d}": tiled_matrix(2, H, d) for d in (0.01, 0.1, 1.0)}
+    rows["blr 1.0 bpw (nvg encoder, head Gram)"] = blr_matrix(1.0)
+    print("| format | MB | relative squared error | held-out | python-docs |\n|---|---|---|---|---|")
+    for name, (W, size) in rows.items():
+        model.model.embed_tokens.weight.data.copy_(torch.from_numpy(np.asarray(W, np.float32)))
+        rel = float(((W - E) ** 2).sum() / (E ** 2).sum())
+        print(f"| {name} | {size / 1e6:.2f} | {rel:.4f} | {perplexity(model, held) / base[0]:.3f}× | "
+              f"{perplexity(model, docs) / base[1]:.3f}× |", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    main(Path(sys.argv[1]))
