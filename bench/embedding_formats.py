@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from nvg import tiled
 from nvg.artifacts import HEAD_INPUT, read_grams, read_windows
-from nvg.cmf import Q4_BLOCK, dense_tensor, read_verified, tensor_to_numpy
+from nvg.budget_reencode import gptq_recoded
+from nvg.cmf import Q2TP, Q4_BLOCK, Q4TP, dense_tensor, read_verified, tensor_to_numpy
 from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.evaluate import ChatRenderer
 from nvg.model import load_model
@@ -50,9 +50,10 @@ def main(results: Path) -> None:
     base = perplexity(model, held), perplexity(model, docs)
     print(f"teacher: held-out {base[0]:.2f}, python-docs {base[1]:.2f}")
 
-    def tiled_matrix(bits, hessian=None, damp=0.1):
-        codes, scales = tiled.groups(tiled.encode(E, bits, hessian, damp), bits, *E.shape)
-        return (codes * scales[:, None]).reshape(E.shape), tiled.nbytes(bits, *E.shape)
+    def quantised(dtype, hessian=None, damp=0.1):
+        t = dense_tensor("e", E, dtype)
+        t = gptq_recoded(t, E, hessian, damp) if hessian is not None else t
+        return tensor_to_numpy(t), len(t.data)
 
     def blr_matrix(bpw):
         s = EncodeSettings(bpw=bpw, method="nvg", paths="1", kv_factor=1.0, rowweight=False, damp=0.01, iters=2,
@@ -61,11 +62,9 @@ def main(results: Path) -> None:
         b, _ = encode_tensor(E, Hn, Hn, bpw, "embed", cmf.arch["head_dim"], s, "cpu", "embed")
         return b.dequantize(), len(b.encode())
 
-    q4b = dense_tensor("e", E, Q4_BLOCK)
-    rows = {"q4_block (cortiq's rounding)": (tensor_to_numpy(q4b), len(q4b.data)),
-            "q4tp, rounded": tiled_matrix(4), "q4tp, GPTQ λ 0.1": tiled_matrix(4, H),
-            "q2tp, rounded": tiled_matrix(2)}
-    rows |= {f"q2tp, GPTQ λ {d}": tiled_matrix(2, H, d) for d in (0.01, 0.1, 1.0)}
+    rows = {"q4_block (cortiq's rounding)": quantised(Q4_BLOCK), "q4_block, GPTQ λ 0.1": quantised(Q4_BLOCK, H),
+            "q4tp, rounded": quantised(Q4TP), "q4tp, GPTQ λ 0.1": quantised(Q4TP, H), "q2tp, rounded": quantised(Q2TP)}
+    rows |= {f"q2tp, GPTQ λ {d}": quantised(Q2TP, H, d) for d in (0.01, 0.1, 1.0)}
     rows["blr 1.0 bpw (nvg encoder, head Gram)"] = blr_matrix(1.0)
     print("| format | MB | relative squared error | held-out | python-docs |\n|---|---|---|---|---|")
     for name, (W, size) in rows.items():

@@ -17,13 +17,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from nvg import blr as codec
-from nvg import tiled
 from nvg.artifacts import HEAD_INPUT, check_encoded_from, check_grams, model_hash, read_grams
 from nvg.atomic import write_json
-from nvg.cmf import BLR, Q2TP, Q4_BLOCK, Q4TP, Q8_ROW, TILED_BITS, Tensor, dense_tensor, read_cmf, read_verified, tensor_to_numpy, write_cmf
+from nvg.cmf import (BLR, CODE_RANGE, Q2TP, Q4_BLOCK, Q4TP, Q8_ROW, Tensor, dense_tensor, quant_groups, read_cmf,
+                     read_verified, tensor_to_numpy, with_group_codes, write_cmf)
 from nvg.encoder import EncodeSettings, encode_tensor
+from nvg.gptq import gptq_codes
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
 from nvg.model import pick_device
@@ -35,18 +37,30 @@ VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # `encode.embe
 EMBEDDING_DTYPES = {"q8_row": Q8_ROW, "q4_block": Q4_BLOCK, "q4tp": Q4TP, "q2tp": Q2TP}
 
 
+def gptq_recoded(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float) -> Tensor:
+    """`q` (group-scaled, groups within rows) with its scales kept and its codes chosen by GPTQ under H."""
+    codes, scales = quant_groups(q)
+    rows, cols = W.shape
+    lo, hi, spacing = CODE_RANGE[q.dtype]
+
+    def round_codes(x):  # the nearest allowed code: integers, or q2tp's odd ones
+        return torch.clamp(torch.round((x - lo) / spacing) * spacing + lo, lo, hi)
+
+    per_row = scales.reshape(rows, -1)
+    new = gptq_codes(W, H, per_row, cols // per_row.shape[1], round_codes, damp)
+    return Tensor(q.name, q.dtype, q.shape, with_group_codes(q, new.reshape(codes.shape)))
+
+
 def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeSettings, is_head: bool) -> tuple[Tensor, dict]:
-    """The embedding or LM head in `settings.embedding`. The head (the embedding too when tied) in q4tp / q2tp
-    takes its codes from GPTQ under the Gram of the hidden states it multiplies, damped by
-    `embedding_damp` for its role as the embedding (teacher alone, SmolLM2 q2tp, session 10: 15.3× / 9.2×
-    held-out / python-docs perplexity by rounding, 3.3× / 4.2× so); q8_row and q4_block are rounded as
-    cortiq's converter rounds. Its error is reported on the logits of the SEL hidden states."""
+    """The embedding or LM head in `settings.embedding`: scales and first codes as the format rounds them;
+    the head (the embedding too when tied) then takes its codes from GPTQ (nvg/gptq.py) under the Gram of
+    the hidden states it multiplies, on those scales, damped by `embedding_damp` for its role as the
+    embedding (teacher alone, SmolLM2, session 10: q2tp 15.3× / 9.2× held-out / python-docs perplexity
+    rounded, 3.2× / 3.2× so). Its error is reported on the logits of the SEL hidden states."""
     H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
-    dtype = EMBEDDING_DTYPES[settings.embedding]
-    if dtype in TILED_BITS:
-        q = Tensor(name, dtype, W.shape, tiled.encode(W, TILED_BITS[dtype], H_fit if is_head else None, settings.embedding_damp))
-    else:
-        q = dense_tensor(name, W, dtype)
+    q = dense_tensor(name, W, EMBEDDING_DTYPES[settings.embedding])
+    if is_head and W.shape[1] % 32 == 0:  # row-aligned groups (q4_block's run over the flattened matrix)
+        q = gptq_recoded(q, W, H_fit, settings.embedding_damp)
     D = tensor_to_numpy(q).astype(np.float64) - W
     logit_err = float(np.einsum("ij,jk,ik->", D, H_sel, D) / np.einsum("ij,jk,ik->", W, H_sel, W))
     return q, {"method": settings.embedding, "bpw": 8.0 * len(q.data) / W.size,

@@ -459,10 +459,27 @@ def with_group_scales(t: Tensor, scales: np.ndarray) -> bytes:
     return bytes(t.data)[: _code_bytes(t)] + np.asarray(scales, dtype=np.float32).astype("<f2").tobytes()
 
 
+CODE_RANGE = {Q8_ROW: (-127, 127, 1), Q4_BLOCK: (-8, 7, 1), Q4TP: (-8, 7, 1), Q2TP: (-3, 3, 2)}  # lo, hi, spacing
+
+
+def with_group_codes(t: Tensor, codes: np.ndarray) -> bytes:
+    """`t`'s payload with new integer codes ([groups, group size], as `quant_groups` gives them) and its
+    scales kept."""
+    if t.dtype in TILED_BITS:
+        return tiled.with_codes(bytes(t.data), TILED_BITS[t.dtype], *t.shape, codes)
+    c = np.asarray(codes, dtype=np.int64).reshape(-1)
+    if t.dtype == Q8_ROW:
+        return c.astype(np.int8).tobytes() + bytes(t.data)[t.numel:]
+    if t.dtype == Q4_BLOCK:
+        q = (c + 8).astype(np.uint8).reshape(-1, 32)
+        return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).tobytes() + bytes(t.data)[_code_bytes(t):]
+    raise ValueError(f"with_group_codes: tensor {t.name!r} is {DTYPE_NAMES[t.dtype]}, not one of {GROUP_SCALED}")
+
+
 def dense_tensor(name: str, array: np.ndarray, dtype: int = F16) -> Tensor:
     """A Tensor from a float array: f32/f16/bf16 (f16: IEEE round-to-nearest-even), cortiq's q8_row
     (int8 per row, scale absmax/127) and q4_block (groups of 32, scale absmax/7), rounded to nearest as
-    cortiq's converter does (reference/cortiq.md §1.5), or q4tp / q2tp (searched scales, `tiled.encode`)."""
+    cortiq's converter does (reference/cortiq.md §1.5), or q4tp / q2tp (absmax scales on row ladders, `tiled.encode`)."""
     a = np.ascontiguousarray(array, dtype=np.float32)
     if dtype == F32:
         payload = a.astype("<f4").tobytes()

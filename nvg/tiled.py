@@ -19,9 +19,6 @@ s/2) so that they stay integers — which is the view `GroupScaled` trains.
 from __future__ import annotations
 
 import numpy as np
-import torch
-
-from nvg.gptq import gptq_codes
 
 GROUP = 32
 PLANE_BYTES = {4: 16, 2: 8}  # weight-plane bytes per group
@@ -127,29 +124,21 @@ def _values(fields: np.ndarray, s: np.ndarray, bits: int) -> np.ndarray:
     return (fields - (8.0 if bits == 4 else 1.5)) * s[..., None]
 
 
-def encode(w: np.ndarray, bits: int, hessian: np.ndarray | None = None, damp: float = 0.1) -> bytes:
+def encode(w: np.ndarray, bits: int) -> bytes:
     """The q4tp / q2tp payload of a [rows, cols] matrix, cols a multiple of 32. Each group's scale is its
     absmax over the top level (a least-squares scale clips the few large entries, which session 10 measured
     to cost the teacher more perplexity though the squared error was lower), the row's ladder spans those
-    scales, and each group takes the rung, of its nearest and their neighbours, whose values err least.
-    With a `hessian` (the Gram of what the matrix multiplies) the codes are then chosen again by GPTQ
-    (nvg/gptq.py) under it, on those scales."""
+    scales, and each group takes the rung, of its nearest and their neighbours, whose values err least."""
     rows, cols = w.shape
-    gpr = cols // GROUP
-    g = np.asarray(w, dtype=np.float32).reshape(rows, gpr, GROUP)
-    payload = _assemble(g, np.abs(g).max(2) / (7.0 if bits == 4 else 1.5), bits)
-    if hessian is None:
-        return payload
-    codes, scales = groups(payload, bits, rows, cols)
-    if bits == 4:
-        def round_codes(x):
-            return torch.clamp(torch.round(x), -8, 7)
-    else:  # doubled codes: the odd integers −3, −1, 1, 3
-        def round_codes(x):
-            return torch.clamp(2 * torch.floor(x / 2) + 1, -3, 3)
-    new = gptq_codes(w, hessian, scales.reshape(rows, gpr), GROUP, round_codes, damp).astype(np.int64)
-    fields = new + 8 if bits == 4 else (new + 3) // 2
-    return _pack_plane(fields.reshape(rows * gpr, GROUP), bits) + payload[rows * gpr * PLANE_BYTES[bits]:]
+    g = np.asarray(w, dtype=np.float32).reshape(rows, cols // GROUP, GROUP)
+    return _assemble(g, np.abs(g).max(2) / (7.0 if bits == 4 else 1.5), bits)
+
+
+def with_codes(buf: bytes, bits: int, rows: int, cols: int, codes: np.ndarray) -> bytes:
+    """The payload with new integer codes (the `groups` view's: q2tp's doubled) and its scales kept."""
+    c = np.asarray(codes, dtype=np.int64).reshape(rows * (cols // GROUP), GROUP)
+    fields = c + 8 if bits == 4 else (c + 3) // 2
+    return _pack_plane(fields, bits) + buf[rows * (cols // GROUP) * PLANE_BYTES[bits]:]
 
 
 def _assemble(g: np.ndarray, target: np.ndarray, bits: int, fields: np.ndarray | None = None) -> bytes:

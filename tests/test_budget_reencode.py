@@ -269,26 +269,30 @@ def test_the_embedding_in_cortiqs_quantised_formats_trains_its_scales_and_export
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("bits", [4, 2])
-def test_gptq_codes_lower_the_error_on_the_inputs_gram_at_the_same_scales(bits):
-    """nvg/gptq.py through tiled.encode: the same scales and ladders as plain rounding, codes that err less
-    under H (the logits' error for the head), more in plain terms; damp → ∞ is plain rounding again."""
-    from nvg import tiled
+@pytest.mark.parametrize("fmt", ["q8_row", "q4_block", "q4tp", "q2tp"])
+def test_gptq_codes_lower_the_error_on_the_inputs_gram_at_the_same_scales(fmt):
+    """nvg/gptq.py through `gptq_recoded`: the same scales as plain rounding, codes within the format's range
+    that err less under H (the logits' error for the head) and more in plain terms; damp → ∞ is plain
+    rounding again."""
+    from nvg.budget_reencode import EMBEDDING_DTYPES, gptq_recoded
+    from nvg.cmf import CODE_RANGE, dense_tensor, quant_groups
 
     rng = np.random.default_rng(7)
     W = rng.normal(size=(300, 96)).astype(np.float32)
     X = rng.normal(size=(2000, 96)) @ rng.normal(size=(96, 96))
     H = X.T @ X
+    rounded = dense_tensor("e", W, EMBEDDING_DTYPES[fmt])
 
-    def errors(payload):
-        codes, scales = tiled.groups(payload, bits, *W.shape)
+    def errors(t):
+        codes, scales = quant_groups(t)
         D = (codes * scales[:, None]).reshape(W.shape) - W
-        return np.trace(D @ H @ D.T) / np.trace(W @ H @ W.T), (D ** 2).sum() / (W ** 2).sum(), scales
+        return np.trace(D @ H @ D.T) / np.trace(W @ H @ W.T), (D ** 2).sum() / (W ** 2).sum(), scales, codes
 
-    rounded, gptq = errors(tiled.encode(W, bits)), errors(tiled.encode(W, bits, H, 0.1))
-    assert np.array_equal(rounded[2], gptq[2])
-    assert gptq[0] < 0.7 * rounded[0] and gptq[1] > rounded[1]
-    assert tiled.encode(W, bits, H, 1e9) == tiled.encode(W, bits)
+    plain, gptq = errors(rounded), errors(gptq_recoded(rounded, W, H, 0.1))
+    lo, hi, spacing = CODE_RANGE[rounded.dtype]
+    assert np.array_equal(plain[2], gptq[2]) and gptq[3].min() >= lo and gptq[3].max() <= hi and ((gptq[3] - lo) % spacing == 0).all()
+    assert gptq[0] < 0.7 * plain[0] and gptq[1] > plain[1]
+    assert bytes(gptq_recoded(rounded, W, H, 1e9).data) == bytes(rounded.data)
 
 
 @pytest.mark.parametrize("plan_text, settings, origin", [
