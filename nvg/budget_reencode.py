@@ -37,7 +37,7 @@ VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # `encode.embe
 EMBEDDING_DTYPES = {"q8_row": Q8_ROW, "q4_block": Q4_BLOCK, "q4tp": Q4TP, "q2tp": Q2TP}
 
 
-def gptq_recoded(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float) -> Tensor:
+def gptq_recoded(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, device="cpu") -> Tensor:
     """`q` (group-scaled, groups within rows) with its scales kept and its codes chosen by GPTQ under H."""
     codes, scales = quant_groups(q)
     rows, cols = W.shape
@@ -47,11 +47,12 @@ def gptq_recoded(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float) -> Tensor
         return torch.clamp(torch.round((x - lo) / spacing) * spacing + lo, lo, hi)
 
     per_row = scales.reshape(rows, -1)
-    new = gptq_codes(W, H, per_row, cols // per_row.shape[1], round_codes, damp)
+    new = gptq_codes(W, H, per_row, cols // per_row.shape[1], round_codes, damp, device)
     return Tensor(q.name, q.dtype, q.shape, with_group_codes(q, new.reshape(codes.shape)))
 
 
-def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeSettings, is_head: bool) -> tuple[Tensor, dict]:
+def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeSettings, is_head: bool,
+                        device) -> tuple[Tensor, dict]:
     """The embedding or LM head in `settings.embedding`: scales and first codes as the format rounds them;
     the head (the embedding too when tied) then takes its codes from GPTQ (nvg/gptq.py) under the Gram of
     the hidden states it multiplies, on those scales, damped by `embedding_damp` for its role as the
@@ -60,7 +61,7 @@ def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeS
     H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
     q = dense_tensor(name, W, EMBEDDING_DTYPES[settings.embedding])
     if is_head and W.shape[1] % 32 == 0:  # row-aligned groups (q4_block's run over the flattened matrix)
-        q = gptq_recoded(q, W, H_fit, settings.embedding_damp)
+        q = gptq_recoded(q, W, H_fit, settings.embedding_damp, device)
     D = tensor_to_numpy(q).astype(np.float64) - W
     logit_err = float(np.einsum("ij,jk,ik->", D, H_sel, D) / np.einsum("ij,jk,ik->", W, H_sel, W))
     return q, {"method": settings.embedding, "bpw": 8.0 * len(q.data) / W.size,
@@ -118,7 +119,8 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
             tensors.append(Tensor(name, BLR, t.shape, payloads[name]))
         elif name in VOCAB_MATRICES and settings.embedding != "f16":
             q, rows[name] = encode_vocab_matrix(name, tensor_to_numpy(t_cmf.tensors[name]), grams, settings,
-                                                is_head=name == "lm_head.weight" or arch.get("tie_word_embeddings", False))
+                                                is_head=name == "lm_head.weight" or arch.get("tie_word_embeddings", False),
+                                                device=device)
             print(f"  {name}: {settings.embedding} {rows[name]['bpw']:.3f} bpw, rel error {rows[name]['rel_error']:.4f}, "
                   f"logits' rel error {rows[name]['rel_logit_error']:.4f}", file=sys.stderr)
             tensors.append(q)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from nvg import tiled
 from nvg.atomic import atomic_path
 from nvg.errors import NvgError
-from nvg import tiled
 from nvg.hash64 import hash64, hex16
 
 MAGIC = b"CMF\x01"
@@ -52,6 +52,7 @@ DTYPE_NAMES = {
 DTYPE_IDS = {name: i for i, name in DTYPE_NAMES.items()}
 F32, F16, BF16, Q8_ROW, Q4_BLOCK, Q8_2F, Q4TP, Q2TP, BLR = 0, 1, 2, 3, 4, 9, 15, 16, 19
 TILED_BITS = {Q4TP: 4, Q2TP: 2}  # nvg/tiled.py
+GROUP_SCALED = (Q8_ROW, Q4_BLOCK, Q4TP, Q2TP)  # dtypes that are integer codes × one scale per group
 
 # cortiq's ModelArch keys with serde defaults (cortiq.md §1.3): written explicitly so any reader agrees.
 ARCH_REQUIRED = (
@@ -408,7 +409,7 @@ def tensor_to_numpy(t: Tensor) -> np.ndarray:
     if t.dtype == BF16:
         u = np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16
         return u.view(np.float32).reshape(shape)
-    if t.dtype in (Q8_ROW, Q4_BLOCK, Q4TP, Q2TP):
+    if t.dtype in GROUP_SCALED:
         codes, scale = quant_groups(t)
         return (codes.astype(np.float32) * scale[:, None]).reshape(-1)[:n].reshape(shape)
     if t.dtype == Q8_2F:
@@ -426,8 +427,6 @@ def tensor_to_numpy(t: Tensor) -> np.ndarray:
 def _code_bytes(t: Tensor) -> int:
     return t.numel if t.dtype == Q8_ROW else -(-t.numel // 32) * 16
 
-
-GROUP_SCALED = (Q8_ROW, Q4_BLOCK, Q4TP, Q2TP)  # dtypes that are integer codes × one scale per group
 
 
 def quant_groups(t: Tensor) -> tuple[np.ndarray, np.ndarray]:
