@@ -47,11 +47,11 @@ def lr_shape(step: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def trainable(model) -> dict[str, torch.nn.Parameter]:
-    """h, ℓ, g of every BLR linear, every RMSNorm gain and the group scales of a group-scaled
-    embedding or LM head; everything else frozen."""
+def trainable(model, group_scales: bool = True) -> dict[str, torch.nn.Parameter]:
+    """h, ℓ, g of every BLR linear, every RMSNorm gain and, with `group_scales`, the group scales of a
+    group-scaled embedding or LM head; everything else frozen."""
     params = {}
-    group_scales = {id(p) for p in model.group_scales().values()}
+    group_scales = {id(p) for p in model.group_scales().values()} if group_scales else set()
     for name, p in model.named_parameters():
         keep = name.endswith((".h", ".ell", ".g")) or name.endswith("norm.weight") or id(p) in group_scales
         p.requires_grad_(keep)
@@ -60,15 +60,19 @@ def trainable(model) -> dict[str, torch.nn.Parameter]:
     return params
 
 
-def param_groups(params: dict[str, torch.nn.Parameter], relative: bool) -> list[dict]:
+def param_groups(params: dict[str, torch.nn.Parameter], relative: bool,
+                 multiplier: dict[str, float] | None = None) -> list[dict]:
     """Adam's parameter groups. Adam moves every entry by about lr per step whatever its size, so with one
     lr the small scales move fast and the large ones hardly at all (in a SmolLM2 student g is ~0.07 and
     h ~0.5: 3 % and 0.4 % per step at lr 0.002). `relative` gives each tensor its own group whose
-    `lr_scale` is its RMS at the start, so that every tensor moves at the same relative rate."""
-    if not relative:
+    `lr_scale` is its RMS at the start, so that every tensor moves at the same relative rate.
+    `multiplier` multiplies the step of the tensors it names (`train.group_scale_lr`)."""
+    multiplier = multiplier or {}
+    if not relative and not multiplier:
         return [{"params": list(params.values()), "lr_scale": 1.0}]
-    return [{"params": [p], "lr_scale": float(p.detach().float().pow(2).mean().sqrt().clamp_min(1e-8))}
-            for p in params.values()]
+    return [{"params": [p], "lr_scale": multiplier.get(name, 1.0)
+             * (float(p.detach().float().pow(2).mean().sqrt().clamp_min(1e-8)) if relative else 1.0)}
+            for name, p in params.items()]
 
 
 @dataclass
@@ -94,11 +98,12 @@ class Distiller:
     """The student and its targets: loss, one optimizer step, held-out KL and snapshots."""
 
     def __init__(self, model, targets: Targets, device, *, batch: int, precision: str, tail: bool = False,
-                 recompute_every: int = 0, group: Group = Group(), teacher=None, hidden_weight: float = 0.0):
+                 recompute_every: int = 0, group: Group = Group(), teacher=None, hidden_weight: float = 0.0,
+                 group_scales: bool = True):
         self.model, self.targets, self.device, self.group = model, targets, device, group
         self.batch_size, self.precision, self.tail = batch, precision, tail
         self.teacher, self.hidden_weight = teacher, hidden_weight  # a live teacher: see the module docstring
-        self.params = trainable(model)
+        self.params = trainable(model, group_scales)
         # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
         self.recompute_every = recompute_every if device.type == "cuda" else 0
         self.modes: list = []  # training modes, see the module docstring

@@ -55,6 +55,7 @@ class TrainSettings:
     batch: int
     lr: float
     lr_relative: bool
+    group_scale_lr: float
     clip: float
     eval_every: int
     state_every: int
@@ -212,14 +213,17 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     t_cmf = read_verified(teacher) if live else None
     d = Distiller(compile_blocks(load_model(s_cmf, device)), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
-                  teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight)
+                  teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight,
+                  group_scales=s.group_scale_lr > 0)
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
     n_batches = targets.n_train // s.batch
     if n_batches < 1:
         raise NvgError(f"config train.batch: {s.batch} exceeds the {targets.n_train} training windows")
     total = n_batches * s.epochs
-    opt = torch.optim.Adam(param_groups(d.params, s.lr_relative), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
+    group_scales = {id(p) for p in d.model.group_scales().values()}
+    multiplier = {name: s.group_scale_lr for name, p in d.params.items() if id(p) in group_scales}
+    opt = torch.optim.Adam(param_groups(d.params, s.lr_relative, multiplier), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     if s.signs.enabled:
         d.modes.append(SignTrainer(d.model, s.signs, total, group, reference=sign_reference(grams, t_cmf, d.teacher) if margin else None))
     for mode in d.modes:
@@ -308,10 +312,12 @@ def fit(run: Run) -> None:
 
 
 def export_student(student_cmf, model, out: Path, provenance_block: dict) -> None:
-    """A copy of the student with the trained payload values: same tensors, shapes, dtypes and sizes."""
+    """A copy of the student with the trained payload values: same tensors, shapes, dtypes and sizes. Group
+    scales that were not trained (`train.group_scale_lr: 0`) keep their bytes: writing refits q4tp's and
+    q2tp's ladders, which would move them."""
     blr = model.blr_linears()
     gains = model.norm_gains()
-    group_scales = model.group_scales()
+    group_scales = {name: p for name, p in model.group_scales().items() if p.requires_grad}
     tensors = []
     for name, t in student_cmf.tensors.items():
         if name in blr and t.dtype == BLR:
@@ -339,7 +345,7 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
     if run.group.main:
         export_student(run.student, d.model, out, {
             "teacher": teacher_name, "windows_hash": d.targets.windows_hash, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
-            "lr": s.lr, "lr_relative": s.lr_relative, "targets": s.targets, "steps": st.done,
+            "lr": s.lr, "lr_relative": s.lr_relative, "group_scale_lr": s.group_scale_lr, "targets": s.targets, "steps": st.done,
             **({"hidden_weight": s.hidden_weight} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,
             "tail": s.tail, "precision": s.precision, "processes": run.group.world, "evals": st.evals,

@@ -255,6 +255,9 @@ def test_the_embedding_in_cortiqs_quantised_formats_trains_its_scales_and_export
     assert len(trained.tensors[name].data) == len(t.data) and np.array_equal(codes, codes_after)
     assert not np.array_equal(before, after)
     assert verify(tmp_path / "trained.cmf") == []
+    frozen = train(tmp_path, "frozen", group_scale_lr=0.0)  # the scales as the encoder chose them, the body trained
+    assert bytes(frozen.tensors[name].data) == bytes(t.data)
+    assert frozen.header["provenance"]["nvg_train"]["heldout_kl_best"] < frozen.header["provenance"]["nvg_train"]["heldout_kl_start"]
     w = tensor_to_numpy(trained.tensors[name])
     assert np.isfinite(w).all() and w.shape == tuple(t.shape)
     from transformers import AutoModelForCausalLM
