@@ -48,31 +48,39 @@ def lr_shape(step: int, total: int) -> float:
 
 
 def trainable(model, group_scales: bool = True) -> dict[str, torch.nn.Parameter]:
-    """h, ℓ, g of every BLR linear, every RMSNorm gain and, with `group_scales`, the group scales of a
-    group-scaled embedding or LM head; everything else frozen."""
+    """h, ℓ, g of every BLR linear, every RMSNorm gain, with `group_scales` the group scales of a
+    group-scaled embedding or LM head, and its code latents when `GroupScaled.train_codes` made them;
+    everything else frozen."""
     params = {}
     group_scales = {id(p) for p in model.group_scales().values()} if group_scales else set()
+    latents = {id(g.latent) for g in model.group_codes().values() if g.latent is not None}  # GroupScaled.train_codes
     for name, p in model.named_parameters():
-        keep = name.endswith((".h", ".ell", ".g")) or name.endswith("norm.weight") or id(p) in group_scales
+        keep = (name.endswith((".h", ".ell", ".g")) or name.endswith("norm.weight") or id(p) in group_scales
+                or id(p) in latents)
         p.requires_grad_(keep)
         if keep:
             params[name] = p
     return params
 
 
-def param_groups(params: dict[str, torch.nn.Parameter], relative: bool,
-                 multiplier: dict[str, float] | None = None) -> list[dict]:
+def param_groups(params: dict[str, torch.nn.Parameter], relative: bool, multiplier: dict[str, float] | None = None,
+                 code_step: dict[str, float] | None = None) -> list[dict]:
     """Adam's parameter groups. Adam moves every entry by about lr per step whatever its size, so with one
     lr the small scales move fast and the large ones hardly at all (in a SmolLM2 student g is ~0.07 and
     h ~0.5: 3 % and 0.4 % per step at lr 0.002). `relative` gives each tensor its own group whose
-    `lr_scale` is its RMS at the start, so that every tensor moves at the same relative rate.
-    `multiplier` multiplies the step of the tensors it names (`train.group_scale_lr`)."""
-    multiplier = multiplier or {}
-    if not relative and not multiplier:
+    `lr_scale` is its RMS at the start, so that every tensor moves at the same relative rate. Code latents
+    (`code_step`, name → the format's code step) move in code steps instead: lr is the fraction of a step.
+    `multiplier` multiplies the step of the tensors it names (`train.group_scale_lr`, `group_code_lr`)."""
+    multiplier, code_step = multiplier or {}, code_step or {}
+    if not relative and not multiplier and not code_step:
         return [{"params": list(params.values()), "lr_scale": 1.0}]
-    return [{"params": [p], "lr_scale": multiplier.get(name, 1.0)
-             * (float(p.detach().float().pow(2).mean().sqrt().clamp_min(1e-8)) if relative else 1.0)}
-            for name, p in params.items()]
+
+    def size(name, p):
+        if name in code_step:
+            return code_step[name]
+        return float(p.detach().float().pow(2).mean().sqrt().clamp_min(1e-8)) if relative else 1.0
+
+    return [{"params": [p], "lr_scale": multiplier.get(name, 1.0) * size(name, p)} for name, p in params.items()]
 
 
 @dataclass

@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from nvg import blr as blr_codec
-from nvg.cmf import BLR, GROUP_SCALED, CmfFile, quant_groups, read_cmf, tensor_to_numpy
+from nvg.cmf import BLR, CODE_RANGE, GROUP_SCALED, CmfFile, quant_groups, read_cmf, tensor_to_numpy
 from nvg.errors import NvgError
 from nvg.layout import BODY_ROLES
 
@@ -232,17 +232,41 @@ class Block(nn.Module):
 
 class GroupScaled(nn.Module):
     """The weight of a q8_row, q4_block, q4tp or q2tp tensor (the embedding, an untied LM head) as a
-    parametrization (torch.nn.utils.parametrize): its integer codes fixed, one trainable scale per group (a
-    row of q8_row, 32 values of the others), weight = code · scale. So a student with a quantised embedding
-    trains the very scales its file stores, and the codes stay those the encoder chose."""
+    parametrization (torch.nn.utils.parametrize): integer codes, one trainable scale per group (a row of
+    q8_row, 32 values of the others), weight = code · scale. So a student with a quantised embedding trains
+    the very scales its file stores. The codes stay those the encoder chose unless `train_codes` gives each
+    a real-valued latent: the forward then uses the latent rounded to the nearest code the format allows,
+    and the gradient passes the rounding straight through (STE), so a code moves once its latent crosses
+    half a code step."""
 
-    def __init__(self, codes: torch.Tensor, shape: tuple[int, ...]):
+    def __init__(self, codes: torch.Tensor, shape: tuple[int, ...], code_range: tuple[int, int, int]):
         super().__init__()
         self.register_buffer("codes", codes)  # int8 [groups, group size]
         self.shape = tuple(shape)
+        self.lo, self.hi, self.spacing = code_range  # cmf.CODE_RANGE: q2tp's codes are the odd −3 … 3
+        self.latent: nn.Parameter | None = None
+
+    def train_codes(self) -> nn.Parameter:
+        """Make the codes trainable: float32 latents [groups, group size] starting at the codes (12 bytes a
+        weight with Adam's moments: 0.34 GB for SmolLM2's 28.3M-entry embedding)."""
+        self.latent = nn.Parameter(self.codes.float())
+        return self.latent
+
+    def current_codes(self) -> torch.Tensor:
+        """The codes the forward uses, int8 [groups, group size]."""
+        if self.latent is None:
+            return self.codes
+        return self.rounded(self.latent.detach()).to(torch.int8)
+
+    def rounded(self, latent: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(torch.round((latent - self.lo) / self.spacing) * self.spacing + self.lo, self.lo, self.hi)
 
     def forward(self, scales: torch.Tensor) -> torch.Tensor:
-        flat = (self.codes.to(scales.dtype) * scales[:, None]).reshape(-1)
+        if self.latent is None:
+            codes = self.codes.to(scales.dtype)
+        else:  # straight through: the rounded value forward, the identity backward
+            codes = (self.latent + (self.rounded(self.latent) - self.latent).detach()).to(scales.dtype)
+        flat = (codes * scales[:, None]).reshape(-1)
         return flat[: math.prod(self.shape)].reshape(self.shape)
 
     def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
@@ -325,11 +349,19 @@ class Llama(nn.Module):
     def norm_gains(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.named_parameters() if n.endswith("norm.weight")}
 
-    def group_scales(self) -> dict[str, nn.Parameter]:
-        """The trainable scales of a group-scaled (q8_row, q4_block, q4tp, q2tp) embedding or LM head (`GroupScaled`), by CMF name."""
+    def quantised_vocab(self) -> dict[str, nn.Module]:
+        """The embedding and LM head when group-scaled (q8_row, q4_block, q4tp, q2tp: their weight a
+        `GroupScaled` parametrization), by CMF name."""
         modules = {"model.embed_tokens.weight": self.model.embed_tokens, "lm_head.weight": getattr(self, "lm_head", None)}
-        return {name: m.parametrizations.weight.original for name, m in modules.items()
-                if m is not None and parametrize.is_parametrized(m, "weight")}
+        return {name: m for name, m in modules.items() if m is not None and parametrize.is_parametrized(m, "weight")}
+
+    def group_scales(self) -> dict[str, nn.Parameter]:
+        """The trainable scales of a group-scaled embedding or LM head, by CMF name."""
+        return {name: m.parametrizations.weight.original for name, m in self.quantised_vocab().items()}
+
+    def group_codes(self) -> dict[str, GroupScaled]:
+        """The codes of a group-scaled embedding or LM head (`GroupScaled.train_codes` makes them trainable), by CMF name."""
+        return {name: m.parametrizations.weight[0] for name, m in self.quantised_vocab().items()}
 
 
 def build_model(cfg: ModelConfig, get) -> Llama:
@@ -382,7 +414,7 @@ def load_model(source: str | CmfFile, device: str | torch.device = "cpu") -> Lla
             t = cmf.tensors.get(name)
             if module is not None and t is not None and t.dtype in GROUP_SCALED:
                 codes, scales = quant_groups(t)
-                parametrize.register_parametrization(module, "weight", GroupScaled(torch.from_numpy(codes), t.shape))
+                parametrize.register_parametrization(module, "weight", GroupScaled(torch.from_numpy(codes), t.shape, CODE_RANGE[t.dtype]))
                 module.parametrizations.weight.original.data.copy_(torch.from_numpy(scales))  # the file's, bit for bit
     return model.to(device).eval()
 

@@ -35,7 +35,7 @@ import torch
 from nvg import distributed
 from nvg.artifacts import check_encoded_from, check_grams, encoded_from, read_grams
 from nvg.atomic import atomic_path
-from nvg.cmf import BLR, F16, CmfFile, Tensor, dense_tensor, read_verified, with_group_scales, write_cmf
+from nvg.cmf import BLR, F16, CmfFile, Tensor, dense_tensor, read_verified, with_group_codes, with_group_scales, write_cmf
 from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
@@ -56,6 +56,7 @@ class TrainSettings:
     lr: float
     lr_relative: bool
     group_scale_lr: float
+    group_code_lr: float
     clip: float
     eval_every: int
     state_every: int
@@ -211,7 +212,11 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
         targets.topk.check_teacher(encoded_from(s_cmf), f"{student} was encoded from teacher")
     device = group.device(pick_device(s.device))
     t_cmf = read_verified(teacher) if live else None
-    d = Distiller(compile_blocks(load_model(s_cmf, device)), targets, device, batch=s.batch, precision=s.precision,
+    model = load_model(s_cmf, device)
+    if s.group_code_lr > 0:
+        for g in model.group_codes().values():
+            g.train_codes()
+    d = Distiller(compile_blocks(model), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
                   teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight,
                   group_scales=s.group_scale_lr > 0)
@@ -222,8 +227,11 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
         raise NvgError(f"config train.batch: {s.batch} exceeds the {targets.n_train} training windows")
     total = n_batches * s.epochs
     group_scales = {id(p) for p in d.model.group_scales().values()}
-    multiplier = {name: s.group_scale_lr for name, p in d.params.items() if id(p) in group_scales}
-    opt = torch.optim.Adam(param_groups(d.params, s.lr_relative, multiplier), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
+    latents = {id(g.latent): g.spacing for g in d.model.group_codes().values() if g.latent is not None}
+    multiplier = {name: s.group_scale_lr if id(p) in group_scales else s.group_code_lr
+                  for name, p in d.params.items() if id(p) in group_scales or id(p) in latents}
+    code_step = {name: float(latents[id(p)]) for name, p in d.params.items() if id(p) in latents}
+    opt = torch.optim.Adam(param_groups(d.params, s.lr_relative, multiplier, code_step), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     if s.signs.enabled:
         d.modes.append(SignTrainer(d.model, s.signs, total, group, reference=sign_reference(grams, t_cmf, d.teacher) if margin else None))
     for mode in d.modes:
@@ -314,18 +322,24 @@ def fit(run: Run) -> None:
 def export_student(student_cmf, model, out: Path, provenance_block: dict) -> None:
     """A copy of the student with the trained payload values: same tensors, shapes, dtypes and sizes. Group
     scales that were not trained (`train.group_scale_lr: 0`) keep their bytes: writing refits q4tp's and
-    q2tp's ladders, which would move them."""
+    q2tp's ladders, which would move them. Trained codes (`train.group_code_lr`) are written first, then
+    the scales."""
     blr = model.blr_linears()
     gains = model.norm_gains()
     group_scales = {name: p for name, p in model.group_scales().items() if p.requires_grad}
+    group_codes = {name: g for name, g in model.group_codes().items() if g.latent is not None}
     tensors = []
     for name, t in student_cmf.tensors.items():
         if name in blr and t.dtype == BLR:
             data = blr[name].to_payload().encode()
         elif name in gains and t.dtype == F16:
             data = dense_tensor(name, gains[name].detach().cpu().numpy(), F16).data
-        elif name in group_scales:
-            data = with_group_scales(t, group_scales[name].detach().float().cpu().numpy())
+        elif name in group_scales or name in group_codes:
+            data = t.data
+            if name in group_codes:
+                data = with_group_codes(t, group_codes[name].current_codes().cpu().numpy())
+            if name in group_scales:
+                data = with_group_scales(Tensor(name, t.dtype, t.shape, data), group_scales[name].detach().float().cpu().numpy())
         else:
             data = t.data
         if len(data) != len(t.data):
@@ -334,6 +348,11 @@ def export_student(student_cmf, model, out: Path, provenance_block: dict) -> Non
     header = dict(student_cmf.header)
     header["provenance"] = {**header.get("provenance", {}), "nvg_train": provenance_block}
     write_cmf(out, header, tensors, student_cmf.vocab)
+
+
+def codes_changed(model) -> dict[str, float]:
+    """The fraction of each quantised embedding's / head's codes that training moved off the encoder's."""
+    return {name: float((g.current_codes() != g.codes).float().mean()) for name, g in model.group_codes().items()}
 
 
 def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
@@ -345,7 +364,8 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
     if run.group.main:
         export_student(run.student, d.model, out, {
             "teacher": teacher_name, "windows_hash": d.targets.windows_hash, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
-            "lr": s.lr, "lr_relative": s.lr_relative, "group_scale_lr": s.group_scale_lr, "targets": s.targets, "steps": st.done,
+            "lr": s.lr, "lr_relative": s.lr_relative, "group_scale_lr": s.group_scale_lr, "group_code_lr": s.group_code_lr,
+            **({"group_codes_changed": codes_changed(d.model)} if s.group_code_lr > 0 else {}), "targets": s.targets, "steps": st.done,
             **({"hidden_weight": s.hidden_weight} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,
             "tail": s.tail, "precision": s.precision, "processes": run.group.world, "evals": st.evals,

@@ -226,7 +226,7 @@ def test_the_embedding_in_cortiqs_quantised_formats_trains_its_scales_and_export
 
     import torch
 
-    from nvg.cmf import Q2TP, Q4_BLOCK, Q4TP, Q8_ROW, quant_groups, tensor_to_numpy, verify
+    from nvg.cmf import CODE_RANGE, Q2TP, Q4_BLOCK, Q4TP, Q8_ROW, quant_groups, tensor_to_numpy, verify
     from nvg.distill import trainable
     from nvg.model import load_model
     from nvg.layout import bits_summary
@@ -258,6 +258,14 @@ def test_the_embedding_in_cortiqs_quantised_formats_trains_its_scales_and_export
     frozen = train(tmp_path, "frozen", group_scale_lr=0.0)  # the scales as the encoder chose them, the body trained
     assert bytes(frozen.tensors[name].data) == bytes(t.data)
     assert frozen.header["provenance"]["nvg_train"]["heldout_kl_best"] < frozen.header["provenance"]["nvg_train"]["heldout_kl_start"]
+    coded = train(tmp_path, "coded", group_code_lr=10.0)  # codes through straight-through latents, 0.1 code step a step: some move
+    block = coded.header["provenance"]["nvg_train"]
+    codes_coded, _ = quant_groups(coded.tensors[name])
+    lo, hi, spacing = CODE_RANGE[t.dtype]
+    changed = float((codes_coded != codes).mean())
+    assert 0 < changed < 0.5 and changed == pytest.approx(block["group_codes_changed"][name], abs=1e-6)
+    assert codes_coded.min() >= lo and codes_coded.max() <= hi and ((codes_coded - lo) % spacing == 0).all()
+    assert block["heldout_kl_best"] < block["heldout_kl_start"] and verify(tmp_path / "coded.cmf") == []
     w = tensor_to_numpy(trained.tensors[name])
     assert np.isfinite(w).all() and w.shape == tuple(t.shape)
     from transformers import AutoModelForCausalLM

@@ -102,14 +102,17 @@ def test_relative_lr_moves_every_tensor_by_the_same_fraction_of_its_size(stage_i
 
 @pytest.mark.parametrize("relative", [False, True])
 def test_a_multiplier_scales_only_the_step_of_the_tensors_it_names(relative):
-    """`train.group_scale_lr` reaches Adam as a multiplier of the named tensors' lr_scale."""
+    """`train.group_scale_lr` and `group_code_lr` reach Adam as multipliers of the named tensors' lr_scale; code
+    latents move in code steps."""
     from nvg.distill import param_groups
 
-    params = {"a.h": torch.nn.Parameter(torch.full((4,), 2.0)), "embed.scales": torch.nn.Parameter(torch.full((4,), 0.5))}
-    groups = param_groups(params, relative, {"embed.scales": 0.1})
+    params = {"a.h": torch.nn.Parameter(torch.full((4,), 2.0)), "embed.scales": torch.nn.Parameter(torch.full((4,), 0.5)),
+              "embed.latent": torch.nn.Parameter(torch.full((4,), 3.0))}
+    groups = param_groups(params, relative, {"embed.scales": 0.1, "embed.latent": 0.5}, {"embed.latent": 2.0})
     scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
     assert scale[id(params["a.h"])] == pytest.approx(2.0 if relative else 1.0)
     assert scale[id(params["embed.scales"])] == pytest.approx(0.1 * (0.5 if relative else 1.0))
+    assert scale[id(params["embed.latent"])] == pytest.approx(0.5 * 2.0)  # in code steps (q2tp's is 2), either way
 
 
 def test_fp16_and_tail_modes_run(stage_inputs):
