@@ -1,5 +1,6 @@
 """Stage `train_student`: distil the BLR metric (h, ℓ, g of every path), the RMSNorm gains and, when the
-embedding or LM head is group-scaled (q8_row, q4_block, q4tp, q2tp), their group scales.
+embedding or LM head is group-scaled (q8_row, q4_block, q4tp, q2tp), their group scales (at
+`group_scale_lr` × lr) and, with `group_code_lr`, their codes through straight-through latents.
 
 setup → fit → finish. The loss and the optimizer step are `nvg/distill.py`'s: KL to the teacher's
 top-k, Adam (0.9, 0.999, 1e-8; with `lr_relative` each tensor's step is scaled by its starting RMS), linear warm-up over max(1, steps/50) then cosine to zero over the

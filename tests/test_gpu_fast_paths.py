@@ -256,3 +256,22 @@ def test_a_packed_export_on_cuda_gives_nvgs_logits(stage_inputs, tmp_path):
     assert (theirs - reference).abs().max().item() <= 0.03 * scale
     assert (theirs - ours).abs().max().item() <= 0.03 * scale
     assert (theirs.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_a_q2tp_embedding_with_trained_codes_on_cuda_matches_the_cpu(tiny_stages, tiny_cmf, tmp_path):
+    """A q2tp embedding encoded on CUDA (GPTQ for the head there) equals the CPU's encoding, and its scales and
+    straight-through code latents (`group_code_lr`) take the CPU's steps."""
+    import shutil
+
+    from nvg.budget_reencode import EncodeSettings, main
+    from nvg.cmf import read_cmf
+
+    for name in ("windows.h5", "topk.0.h5"):
+        shutil.copy(tiny_stages / name, tmp_path / name)
+    embedding = {}
+    for device in ("cpu", "cuda"):
+        main(tiny_cmf, tiny_stages / "grams.h5", tmp_path / "student.cmf", tmp_path / "student.json",
+             load(EncodeSettings, bpw=2.0, embedding="q2tp", device=device))
+        embedding[device] = np.frombuffer(bytes(read_cmf(tmp_path / "student.cmf").tensors["model.embed_tokens.weight"].data), np.uint8)
+    assert (embedding["cuda"] != embedding["cpu"]).mean() < 0.01  # GPTQ's float64 on another device: a few codes may differ
+    _six_steps_on_both_devices_agree(tmp_path, "q2tp-", group_code_lr=2.0)
