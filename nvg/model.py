@@ -94,7 +94,7 @@ class BlrLinear(nn.Module):
     sized folding and the two weight-sized gradient GEMMs cost more than scaling the activations: there
     the scales are applied to x, to the rank-r product and to the output, and backward is the two
     input-gradient GEMMs plus token sums for h, ℓ and g (a training step of 256 tokens on 2 cores:
-    2.03 s folded, 1.68 s so; docs/benchmarks.md)."""
+    2.02 s folded, 1.68 s so; docs/benchmarks.md)."""
 
     def __init__(self, payload: blr_codec.BlrTensor, bias: torch.Tensor | None = None):
         super().__init__()

@@ -328,3 +328,24 @@ def test_a_budget_too_small_names_its_plan_line_before_any_encoding(tiny_stages,
         (tmp_path / "plan.txt").write_text(plan_text)
         args += ["--plan", tmp_path / "plan.txt"]
     fails_cleanly(cli, args, capsys, origin, "cannot hold even rank 8", [tmp_path / "s.cmf"])
+
+
+@pytest.mark.parametrize("fmt", ["q8_row", "q4_block"])
+def test_gptq_picks_the_heads_codes_only_where_groups_lie_within_rows(fmt, monkeypatch):
+    """With 40 columns q4_block's groups of 32 run across rows, so the head is plainly rounded; with 64 GPTQ
+    chooses its codes. (q8_row is kept to the same rule: the Gram's columns must make whole groups.)"""
+    from pathlib import Path
+
+    from nvg import budget_reencode
+    from nvg.budget_reencode import EMBEDDING_DTYPES, encode_vocab_matrix
+    from nvg.cmf import dense_tensor
+
+    rng = np.random.default_rng(3)
+    for cols, gptq in ((40, False), (64, True)):
+        W = rng.normal(size=(50, cols)).astype(np.float32)
+        X = rng.normal(size=(500, cols)) @ rng.normal(size=(cols, cols))
+        monkeypatch.setattr(budget_reencode, "read_grams", lambda path, layer, name, H=X.T @ X: (H, H, 500, 500))
+        q, row = encode_vocab_matrix("lm_head.weight", W, Path("grams.h5"), load(EncodeSettings, embedding=fmt), True, "cpu")
+        rounded = dense_tensor("lm_head.weight", W, EMBEDDING_DTYPES[fmt])
+        assert (bytes(q.data) != bytes(rounded.data)) == gptq, cols
+        assert 0 < row["rel_logit_error"] < 0.1 and row["method"] == fmt
