@@ -23,7 +23,7 @@ from nvg import blr as codec
 from nvg.artifacts import HEAD_INPUT, check_encoded_from, check_grams, model_hash, read_grams
 from nvg.atomic import write_json
 from nvg.cmf import (BLR, CODE_RANGE, Q2TP, Q4_BLOCK, Q4TP, Q8_ROW, Tensor, dense_tensor, quant_groups, read_cmf,
-                     read_verified, tensor_to_numpy, with_group_codes, write_cmf)
+                     read_verified, tensor_to_numpy, with_group_codes, with_group_scales, write_cmf)
 from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.gptq import gptq_codes
 from nvg.errors import NvgError, exits_cleanly
@@ -51,23 +51,49 @@ def gptq_recoded(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, device="c
     return Tensor(q.name, q.dtype, q.shape, with_group_codes(q, new.reshape(codes.shape)))
 
 
+SCALE_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)  # the absmax scales × one of these
+
+
+def gptq_shrunk(q: Tensor, W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, damp: float,
+                device="cpu") -> tuple[Tensor, float]:
+    """GPTQ's codes (`gptq_recoded`, under H_fit) on the format's absmax scales times the factor of
+    SCALE_SHRINK whose codes err least on the logits of the SEL hidden states (tr(D H_sel Dᵀ)). At 2 bits
+    absmax spends the outer codes on a few large entries: SmolLM2's teacher alone with a q2tp head and
+    embedding has 3.27× / 3.30× its held-out / python-docs perplexity at absmax, 2.52× / 2.53× at 0.8, the
+    factor this picks. A factor per row erred less on SEL but not on python-docs (2.44× / 2.73×), so one
+    factor for the tensor (docs/quality.md). Returns the tensor and the factor."""
+    _, scales = quant_groups(q)
+    W64 = W.astype(np.float64)
+    best, best_err, best_shrink = q, np.inf, 1.0
+    for shrink in SCALE_SHRINK:
+        scaled = q if shrink == 1.0 else Tensor(q.name, q.dtype, q.shape, with_group_scales(q, scales * shrink))
+        shrunk = gptq_recoded(scaled, W, H_fit, damp, device)
+        D = tensor_to_numpy(shrunk).astype(np.float64) - W64
+        err = float(((D @ H_sel) * D).sum())
+        if err < best_err:
+            best, best_err, best_shrink = shrunk, err, shrink
+    return best, best_shrink
+
+
 def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeSettings, is_head: bool,
                         device) -> tuple[Tensor, dict]:
     """The embedding or LM head in `settings.embedding`: scales and first codes as the format rounds them;
     the head (the embedding too when tied) then takes its codes from GPTQ (nvg/gptq.py) under the Gram of
-    the hidden states it multiplies, on those scales, damped by `embedding_damp` for its role as the
-    embedding (teacher alone, SmolLM2, session 10: q2tp 15.3× / 9.2× held-out / python-docs perplexity
-    rounded, 3.2× / 3.2× so). Its error is reported on the logits of the SEL hidden states."""
+    the hidden states it multiplies, on those scales shrunk by the factor that errs least on the logits
+    (`gptq_shrunk`), damped by `embedding_damp` for its role as the embedding (teacher alone, SmolLM2: q2tp
+    15.3× / 9.2× held-out / python-docs perplexity rounded, 3.2× / 3.2× with GPTQ). Its error is reported
+    on the logits of the SEL hidden states."""
     H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
     q = dense_tensor(name, W, EMBEDDING_DTYPES[settings.embedding])
+    shrink = {}
     if is_head and W.shape[1] % 32 == 0:  # row-aligned groups (q4_block's run over the flattened matrix)
-        q = gptq_recoded(q, W, H_fit, settings.embedding_damp, device)
+        q, shrink["scale_shrink"] = gptq_shrunk(q, W, H_fit, H_sel, settings.embedding_damp, device)
     D = tensor_to_numpy(q).astype(np.float64) - W
     # tr(D H Dᵀ) through one GEMM: a three-operand np.einsum runs a plain C loop (12.5 s against 0.67 s on a
     # 2-core CPU at SmolLM2's 49152 × 576, float64)
     logit_err = float(((D @ H_sel) * D).sum() / ((W @ H_sel) * W).sum())
     return q, {"method": settings.embedding, "bpw": 8.0 * len(q.data) / W.size,
-               "rel_error": float(np.linalg.norm(D) / np.linalg.norm(W)), "rel_logit_error": logit_err}
+               "rel_error": float(np.linalg.norm(D) / np.linalg.norm(W)), "rel_logit_error": logit_err, **shrink}
 
 
 def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSettings,
