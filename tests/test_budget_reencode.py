@@ -349,3 +349,32 @@ def test_gptq_picks_the_heads_codes_only_where_groups_lie_within_rows(fmt, monke
         rounded = dense_tensor("lm_head.weight", W, EMBEDDING_DTYPES[fmt])
         assert (bytes(q.data) != bytes(rounded.data)) == gptq, cols
         assert 0 < row["rel_logit_error"] < 0.1 and row["method"] == fmt
+
+
+def test_the_heads_scales_shrink_by_the_factor_that_errs_least_on_the_sel_logits():
+    """At 2 bits on heavy-tailed rows absmax wastes the outer codes: `gptq_shrunk` picks a factor below 1 whose
+    codes err less on H_sel than GPTQ on the absmax scales, and no factor of its grid errs less."""
+    from nvg.budget_reencode import SCALE_SHRINK, gptq_recoded, gptq_shrunk
+    from nvg.cmf import Q2TP, Tensor, dense_tensor, quant_groups, tensor_to_numpy, with_group_scales
+
+    rng = np.random.default_rng(11)
+    W = rng.standard_t(3, size=(200, 64)).astype(np.float32)
+    mix = rng.normal(size=(64, 64))
+
+    def gram():  # of 1,000 correlated hidden states
+        x = rng.normal(size=(1000, 64)) @ mix
+        return x.T @ x
+
+    H_fit, H_sel = gram(), gram()
+
+    def err(t):
+        D = tensor_to_numpy(t).astype(np.float64) - W
+        return float(((D @ H_sel) * D).sum())
+
+    q = dense_tensor("e", W, Q2TP)
+    best, shrink = gptq_shrunk(q, W, H_fit, H_sel, 0.1)
+    assert shrink < 1.0 and err(best) < err(gptq_recoded(q, W, H_fit, 0.1))
+    scales = quant_groups(q)[1]
+    others = [err(gptq_recoded(Tensor("e", Q2TP, q.shape, with_group_scales(q, scales * f)), W, H_fit, 0.1))
+              for f in SCALE_SHRINK if f != 1.0]
+    assert err(best) == pytest.approx(min(others))
