@@ -3,7 +3,8 @@ that matrix replaced, perplexity on held-out windows and on python-docs as a rat
 
     python bench/embedding_formats.py RESULTS   (RESULTS: a default run's results/ folder; float32 on the CPU)
 
-The GPTQ rows use the head-input Gram of the run's Grams file (gram_capture's `head_in`, FIT windows).
+The GPTQ rows use the head-input Gram of the run's Grams file (gram_capture's `head_in`, FIT windows); the
+last three rows are what budget_reencode writes (scales shrunk by the factor that errs least on the SEL Gram).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from tokenizers import Tokenizer
 
 from nvg.artifacts import HEAD_INPUT, read_grams, read_windows
-from nvg.budget_reencode import gptq_recoded
+from nvg.budget_reencode import gptq_recoded, gptq_shrunk
 from nvg.cmf import Q2TP, Q4_BLOCK, Q4TP, dense_tensor, read_verified, tensor_to_numpy
 from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.evaluate import ChatRenderer
@@ -46,7 +47,7 @@ def main(results: Path) -> None:
     docs = docs[: len(docs) // tokens.shape[1] * tokens.shape[1]].reshape(-1, tokens.shape[1])
     model = load_model(cmf)
     E = model.model.embed_tokens.weight.data.numpy().copy()
-    H = read_grams(results / "grams/teacher.h5", *HEAD_INPUT)[0].astype(np.float64)
+    H, H_sel = (g.astype(np.float64) for g in read_grams(results / "grams/teacher.h5", *HEAD_INPUT)[:2])
     base = perplexity(model, held), perplexity(model, docs)
     print(f"teacher: held-out {base[0]:.2f}, python-docs {base[1]:.2f}")
 
@@ -65,6 +66,9 @@ def main(results: Path) -> None:
     rows = {"q4_block (cortiq's rounding)": quantised(Q4_BLOCK), "q4_block, GPTQ λ 0.1": quantised(Q4_BLOCK, H),
             "q4tp, rounded": quantised(Q4TP), "q4tp, GPTQ λ 0.1": quantised(Q4TP, H), "q2tp, rounded": quantised(Q2TP)}
     rows |= {f"q2tp, GPTQ λ {d}": quantised(Q2TP, H, d) for d in (0.01, 0.1, 1.0)}
+    for name, dtype in (("q4_block", Q4_BLOCK), ("q4tp", Q4TP), ("q2tp", Q2TP)):  # budget_reencode's choice
+        t, shrink = gptq_shrunk(dense_tensor("e", E, dtype), E, H, H_sel, 0.1)
+        rows[f"{name}, GPTQ λ 0.1, scales × {shrink} (the encoder's)"] = tensor_to_numpy(t), len(t.data)
     rows["blr 1.0 bpw (nvg encoder, head Gram)"] = blr_matrix(1.0)
     print("| format | MB | relative squared error | held-out | python-docs |\n|---|---|---|---|---|")
     for name, (W, size) in rows.items():
