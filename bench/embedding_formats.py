@@ -4,7 +4,8 @@ that matrix replaced, perplexity on held-out windows and on python-docs as a rat
     python bench/embedding_formats.py RESULTS   (RESULTS: a default run's results/ folder; float32 on the CPU)
 
 The GPTQ rows use the head-input Gram of the run's Grams file (gram_capture's `head_in`, FIT windows); the
-last three rows are what budget_reencode writes (scales shrunk by the factor that errs least on the SEL Gram).
+last three rows are what budget_reencode writes with `encode.embedding_shrink` (scales shrunk by the factor
+that errs least on the SEL Gram).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main(results: Path) -> None:
 
     def blr_matrix(bpw):
         s = EncodeSettings(bpw=bpw, method="nvg", paths="1", kv_factor=1.0, rowweight=False, damp=0.01, iters=2,
-                           signs="u", embedding="f16", embedding_damp=0.1, device="cpu")
+                           signs="u", embedding="f16", embedding_damp=0.1, embedding_shrink=False, device="cpu")
         Hn = (H / np.diag(H).mean()).astype(np.float32)
         b, _ = encode_tensor(E, Hn, Hn, bpw, "embed", cmf.arch["head_dim"], s, "cpu", "embed")
         return b.dequantize(), len(b.encode())
@@ -68,7 +69,7 @@ def main(results: Path) -> None:
     rows |= {f"q2tp, GPTQ λ {d}": quantised(Q2TP, H, d) for d in (0.01, 0.1, 1.0)}
     for name, dtype in (("q4_block", Q4_BLOCK), ("q4tp", Q4TP), ("q2tp", Q2TP)):  # budget_reencode's choice
         t, shrink = gptq_shrunk(dense_tensor("e", E, dtype), E, H, H_sel, 0.1)
-        rows[f"{name}, GPTQ λ 0.1, scales × {shrink} (the encoder's)"] = tensor_to_numpy(t), len(t.data)
+        rows[f"{name}, GPTQ λ 0.1, scales × {shrink} (encode.embedding_shrink)"] = tensor_to_numpy(t), len(t.data)
     rows["blr 1.0 bpw (nvg encoder, head Gram)"] = blr_matrix(1.0)
     print("| format | MB | relative squared error | held-out | python-docs |\n|---|---|---|---|---|")
     for name, (W, size) in rows.items():

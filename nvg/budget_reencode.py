@@ -61,7 +61,7 @@ def gptq_shrunk(q: Tensor, W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, 
     absmax spends the outer codes on a few large entries: SmolLM2's teacher alone with a q2tp head and
     embedding has 3.27× / 3.30× its held-out / python-docs perplexity at absmax, 2.52× / 2.53× at 0.8, the
     factor this picks. A factor per row erred less on SEL but not on python-docs (2.44× / 2.73×), so one
-    factor for the tensor (docs/quality.md). Returns the tensor and the factor."""
+    factor for the tensor (docs/quality.md). `encode.embedding_shrink`; returns the tensor and the factor."""
     _, scales = quant_groups(q)
     W64 = W.astype(np.float64)
     best, best_err, best_shrink = q, np.inf, 1.0
@@ -79,15 +79,18 @@ def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeS
                         device) -> tuple[Tensor, dict]:
     """The embedding or LM head in `settings.embedding`: scales and first codes as the format rounds them;
     the head (the embedding too when tied) then takes its codes from GPTQ (nvg/gptq.py) under the Gram of
-    the hidden states it multiplies, on those scales shrunk by the factor that errs least on the logits
-    (`gptq_shrunk`), damped by `embedding_damp` for its role as the embedding (teacher alone, SmolLM2: q2tp
+    the hidden states it multiplies, on those scales (with `embedding_shrink`, shrunk by the factor that errs
+    least on the logits: `gptq_shrunk`), damped by `embedding_damp` for its role as the embedding (teacher alone, SmolLM2: q2tp
     15.3× / 9.2× held-out / python-docs perplexity rounded, 3.2× / 3.2× with GPTQ). Its error is reported
     on the logits of the SEL hidden states."""
     H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
     q = dense_tensor(name, W, EMBEDDING_DTYPES[settings.embedding])
     shrink = {}
     if is_head and W.shape[1] % 32 == 0:  # row-aligned groups (q4_block's run over the flattened matrix)
-        q, shrink["scale_shrink"] = gptq_shrunk(q, W, H_fit, H_sel, settings.embedding_damp, device)
+        if settings.embedding_shrink:
+            q, shrink["scale_shrink"] = gptq_shrunk(q, W, H_fit, H_sel, settings.embedding_damp, device)
+        else:
+            q = gptq_recoded(q, W, H_fit, settings.embedding_damp, device)
     D = tensor_to_numpy(q).astype(np.float64) - W
     # tr(D H Dᵀ) through one GEMM: a three-operand np.einsum runs a plain C loop (12.5 s against 0.67 s on a
     # 2-core CPU at SmolLM2's 49152 × 576, float64)

@@ -42,6 +42,7 @@ class EncodeSettings:
     signs: str
     embedding: str
     embedding_damp: float
+    embedding_shrink: bool
     device: str
 
 

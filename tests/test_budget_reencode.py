@@ -351,7 +351,7 @@ def test_gptq_picks_the_heads_codes_only_where_groups_lie_within_rows(fmt, monke
         assert 0 < row["rel_logit_error"] < 0.1 and row["method"] == fmt
 
 
-def test_the_heads_scales_shrink_by_the_factor_that_errs_least_on_the_sel_logits():
+def test_the_heads_scales_shrink_by_the_factor_that_errs_least_on_the_sel_logits(monkeypatch):
     """At 2 bits on heavy-tailed rows absmax wastes the outer codes: `gptq_shrunk` picks a factor below 1 whose
     codes err less on H_sel than GPTQ on the absmax scales, and no factor of its grid errs less."""
     from nvg.budget_reencode import SCALE_SHRINK, gptq_recoded, gptq_shrunk
@@ -378,3 +378,13 @@ def test_the_heads_scales_shrink_by_the_factor_that_errs_least_on_the_sel_logits
     others = [err(gptq_recoded(Tensor("e", Q2TP, q.shape, with_group_scales(q, scales * f)), W, H_fit, 0.1))
               for f in SCALE_SHRINK if f != 1.0]
     assert err(best) == pytest.approx(min(others))
+    from pathlib import Path
+
+    from nvg import budget_reencode
+
+    monkeypatch.setattr(budget_reencode, "read_grams", lambda path, layer, name: (H_fit, H_sel, 1000, 1000))
+    for on in (True, False):  # encode.embedding_shrink: the head is encoded so and the report says by what factor
+        t, row = budget_reencode.encode_vocab_matrix("lm_head.weight", W, Path("grams.h5"),
+                                                     load(EncodeSettings, embedding="q2tp", embedding_shrink=on), True, "cpu")
+        assert bytes(t.data) == bytes((best if on else gptq_recoded(q, W, H_fit, 0.1)).data)
+        assert row.get("scale_shrink") == (shrink if on else None)
