@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from nvg import blr as codec
 from nvg.artifacts import HEAD_INPUT, check_encoded_from, check_grams, model_hash, read_grams
@@ -28,7 +27,7 @@ from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.gptq import gptq_codes
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
-from nvg.model import pick_device
+from nvg.model import nearest_code, pick_device
 from nvg.plan import read_plan
 from nvg.progress import bar
 from nvg.settings import SETTINGS_HELP, load
@@ -41,13 +40,8 @@ def gptq_recoded(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, device="c
     """`q` (group-scaled, groups within rows) with its scales kept and its codes chosen by GPTQ under H."""
     codes, scales = quant_groups(q)
     rows, cols = W.shape
-    lo, hi, spacing = CODE_RANGE[q.dtype]
-
-    def round_codes(x):  # the nearest allowed code: integers, or q2tp's odd ones
-        return torch.clamp(torch.round((x - lo) / spacing) * spacing + lo, lo, hi)
-
     per_row = scales.reshape(rows, -1)
-    new = gptq_codes(W, H, per_row, cols // per_row.shape[1], round_codes, damp, device)
+    new = gptq_codes(W, H, per_row, cols // per_row.shape[1], lambda x: nearest_code(x, CODE_RANGE[q.dtype]), damp, device)
     return Tensor(q.name, q.dtype, q.shape, with_group_codes(q, new.reshape(codes.shape)))
 
 
@@ -79,10 +73,10 @@ def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeS
                         device) -> tuple[Tensor, dict]:
     """The embedding or LM head in `settings.embedding`: scales and first codes as the format rounds them;
     the head (the embedding too when tied) then takes its codes from GPTQ (nvg/gptq.py) under the Gram of
-    the hidden states it multiplies, on those scales (with `embedding_shrink`, shrunk by the factor that errs
-    least on the logits: `gptq_shrunk`), damped by `embedding_damp` for its role as the embedding (teacher alone, SmolLM2: q2tp
-    15.3× / 9.2× held-out / python-docs perplexity rounded, 3.2× / 3.2× with GPTQ). Its error is reported
-    on the logits of the SEL hidden states."""
+    the hidden states it multiplies, on those scales (with `embedding_shrink`, shrunk by the factor that
+    errs least on the logits: `gptq_shrunk`), damped by `embedding_damp` for its role as the embedding
+    (teacher alone, SmolLM2: q2tp 15.3× / 9.2× held-out / python-docs perplexity rounded, 3.2× / 3.2× with
+    GPTQ). Its error is reported on the logits of the SEL hidden states."""
     H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
     q = dense_tensor(name, W, EMBEDDING_DTYPES[settings.embedding])
     shrink = {}

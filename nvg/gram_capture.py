@@ -3,7 +3,8 @@
 Inputs: `attn_in` (feeds q/k/v), `attn_out` (feeds o), `mlp_in` (feeds gate/up), `mlp_down` (feeds
 down), and once per model `head_in`, the final-normed hidden states the LM head multiplies (the encoder
 of a quantised head, nvg/gptq.py, measures its error on the logits through it). FIT windows are the
-first `fit_windows` training windows, SEL the next `sel_windows` (disjoint); held-out windows are never used. Grams accumulate in float32 on the device through forward hooks.
+first `fit_windows` training windows, SEL the next `sel_windows` (disjoint); held-out windows are never
+used. Grams accumulate in float32 on the device through forward hooks.
 Output `grams/{model}.h5` (format in `nvg/artifacts.py`).
 
     python -m nvg.gram_capture --model M.cmf --windows W.h5 --out grams/teacher.h5 --settings JSON

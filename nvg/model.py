@@ -230,6 +230,12 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def nearest_code(x: torch.Tensor, code_range: tuple[int, int, int]) -> torch.Tensor:
+    """The nearest code a group-scaled format allows (`cmf.CODE_RANGE`: lo, hi, spacing; q2tp's are the odd −3 … 3)."""
+    lo, hi, spacing = code_range
+    return torch.clamp(torch.round((x - lo) / spacing) * spacing + lo, lo, hi)
+
+
 class GroupScaled(nn.Module):
     """The weight of a q8_row, q4_block, q4tp or q2tp tensor (the embedding, an untied LM head) as a
     parametrization (torch.nn.utils.parametrize): integer codes, one trainable scale per group (a row of
@@ -243,7 +249,7 @@ class GroupScaled(nn.Module):
         super().__init__()
         self.register_buffer("codes", codes)  # int8 [groups, group size]
         self.shape = tuple(shape)
-        self.lo, self.hi, self.spacing = code_range  # cmf.CODE_RANGE: q2tp's codes are the odd −3 … 3
+        self.code_range = code_range  # cmf.CODE_RANGE: lo, hi, spacing
         self.latent: nn.Parameter | None = None
 
     def train_codes(self) -> nn.Parameter:
@@ -256,16 +262,13 @@ class GroupScaled(nn.Module):
         """The codes the forward uses, int8 [groups, group size]."""
         if self.latent is None:
             return self.codes
-        return self.rounded(self.latent.detach()).to(torch.int8)
-
-    def rounded(self, latent: torch.Tensor) -> torch.Tensor:
-        return torch.clamp(torch.round((latent - self.lo) / self.spacing) * self.spacing + self.lo, self.lo, self.hi)
+        return nearest_code(self.latent.detach(), self.code_range).to(torch.int8)
 
     def forward(self, scales: torch.Tensor) -> torch.Tensor:
         if self.latent is None:
             codes = self.codes.to(scales.dtype)
         else:  # straight through: the rounded value forward, the identity backward
-            codes = (self.latent + (self.rounded(self.latent) - self.latent).detach()).to(scales.dtype)
+            codes = (self.latent + (nearest_code(self.latent, self.code_range) - self.latent).detach()).to(scales.dtype)
         flat = (codes * scales[:, None]).reshape(-1)
         return flat[: math.prod(self.shape)].reshape(self.shape)
 

@@ -220,18 +220,17 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     d = Distiller(compile_blocks(model), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
                   teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight,
-                  group_scales=s.group_scale_lr > 0)
+                  train_group_scales=s.group_scale_lr > 0)
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
     n_batches = targets.n_train // s.batch
     if n_batches < 1:
         raise NvgError(f"config train.batch: {s.batch} exceeds the {targets.n_train} training windows")
     total = n_batches * s.epochs
-    group_scales = {id(p) for p in d.model.group_scales().values()}
-    latents = {id(g.latent): g.spacing for g in d.model.group_codes().values() if g.latent is not None}
-    multiplier = {name: s.group_scale_lr if id(p) in group_scales else s.group_code_lr
-                  for name, p in d.params.items() if id(p) in group_scales or id(p) in latents}
-    code_step = {name: float(latents[id(p)]) for name, p in d.params.items() if id(p) in latents}
+    name_of = {id(p): name for name, p in d.params.items()}
+    multiplier = {name_of[id(p)]: s.group_scale_lr for p in d.model.group_scales().values() if id(p) in name_of}
+    code_step = {name_of[id(g.latent)]: float(g.code_range[2]) for g in d.model.group_codes().values() if g.latent is not None}
+    multiplier |= dict.fromkeys(code_step, s.group_code_lr)
     opt = torch.optim.Adam(param_groups(d.params, s.lr_relative, multiplier, code_step), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     if s.signs.enabled:
         d.modes.append(SignTrainer(d.model, s.signs, total, group, reference=sign_reference(grams, t_cmf, d.teacher) if margin else None))
