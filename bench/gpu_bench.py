@@ -18,6 +18,8 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
     python bench/gpu_bench.py --teacher teacher.cmf --out bench.json
     python bench/gpu_bench.py --step-only --out step.json   # the distillation step alone, SmolLM2-135M's shape
                                                             # (random weights), nvg's and the dense transformers one
+    python bench/gpu_bench.py --modes --out modes.json      # the step in each training mode of train_student
+                                                            # (SmolLM2-135M's shape, batch 16), beside the dense one
 """
 
 from __future__ import annotations
@@ -29,13 +31,19 @@ import time
 import numpy as np
 import torch
 import transformers
+from torch.nn.utils import parametrize
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from nvg import blr as codec
+from nvg import tiled
+from nvg.cmf import CODE_RANGE, Q2TP, Tensor, quant_groups
 from nvg.losses import topk_logprobs
 from nvg.distill import Distiller, Targets
 from nvg.layout import parse_body_linear
-from nvg.model import ModelConfig, build_model, compile_blocks, flops_per_token, load_model
+from nvg.distributed import Group
+from nvg.model import GroupScaled, ModelConfig, build_model, compile_blocks, flops_per_token, load_model
+from nvg.settings import load
+from nvg.sign_training import SignSettings, SignTrainer
 
 WINDOW = 2048
 SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -238,6 +246,58 @@ def step_only(batches, iters: int, windows: int) -> dict:
     return rows
 
 
+def q2tp_embedding(model):
+    """The model's tied embedding (and so its head) in q2tp, its group scales trainable, as load_model
+    builds a student whose file has a q2tp embedding."""
+    embed = model.model.embed_tokens
+    w = embed.weight.detach().float().cpu().numpy()
+    codes, scales = quant_groups(Tensor("e", Q2TP, w.shape, tiled.encode(w, 2)))
+    parametrize.register_parametrization(embed, "weight", GroupScaled(torch.from_numpy(codes).to(embed.weight.device), w.shape, CODE_RANGE[Q2TP]))
+    embed.parametrizations.weight.original.data.copy_(torch.from_numpy(scales))
+    return model
+
+
+def step_modes(batch: int, iters: int, windows: int) -> dict:
+    """train_student's step in each training mode (docs/training.md) on SmolLM2-135M's shape (random
+    weights, 1 bpw, P = 2), batch × WINDOW tokens, each beside the plain-transformers dense KD step: the
+    cached top-64 (`targets: topk`), the live teacher (`targets: live`, full-vocabulary KL), the live teacher
+    with sign training (`signs.enabled`, the README's GPU recipe) and with a q2tp embedding and head."""
+    torch.manual_seed(0)
+    big = hf_model(SMOLLM2_135M, None)
+    dense = {n: p.detach().float().cpu() for n, p in big.state_dict().items() if n != "lm_head.weight"}
+    fpt = flops_per_token(SMOLLM2_135M) + attention_flops(SMOLLM2_135M)
+    tokens = np.random.default_rng(batch).integers(0, SMOLLM2_135M.vocab_size, (batch, WINDOW), dtype=np.int64)
+    x = torch.from_numpy(tokens).cuda()
+    logp = torch.log_softmax(torch.randn(batch, WINDOW, 64, device="cuda"), -1)
+    ids = torch.randint(0, SMOLLM2_135M.vocab_size, (batch, WINDOW, 64), device="cuda")
+    hf = big.train()
+    opt = torch.optim.Adam(hf.parameters(), lr=1e-5)
+    rows: dict = {"batch": batch, "transformers (dense)": measure(lambda: baseline_step(hf, opt, x, ids, logp.exp()),
+                                                                 batch * WINDOW, 3 * fpt, iters, windows)}
+    print(json.dumps(rows), flush=True)
+    hf = opt = big = None
+    teacher = compile_blocks(build_model(SMOLLM2_135M, dense.get).cuda()).requires_grad_(False)
+    topk = Targets(tokens, batch, "bench", InMemoryTopk(ids.int().cpu().numpy(), logp.half().cpu().numpy()))
+    live = Targets(tokens, batch, "bench")
+    modes = {"topk (scales)": (topk, None, False, False), "live (scales)": (live, teacher, False, False),
+             "live + signs": (live, teacher, True, False), "live, q2tp embedding": (live, teacher, False, True)}
+    for name, (targets, t, signs, q2tp) in modes.items():
+        student = blr_student(SMOLLM2_135M, dense, 1.0)
+        student = compile_blocks((q2tp_embedding(student) if q2tp else student).cuda())
+        sfpt = blr_flops_per_token(student) + attention_flops(SMOLLM2_135M)
+        d = Distiller(student, targets, torch.device("cuda"), batch=batch, precision="bf16", recompute_every=1, teacher=t)
+        if signs:
+            d.modes.append(SignTrainer(d.model, load(SignSettings, enabled=True), 1000, Group()))
+        opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
+        row = measure(lambda: d.step(list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), batch * WINDOW,
+                      3 * sfpt, iters, windows)  # the live teacher's forward is not counted in the FLOPs
+        row["vs_dense"] = round(row["tok_s"] / rows["transformers (dense)"]["tok_s"], 2) if "tok_s" in row else None
+        rows[name] = row
+        print(json.dumps(rows), flush=True)
+        d = opt = student = None
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--teacher", help="the real teacher as a CMF (nvg import-teacher); not needed with --step-only")
@@ -245,11 +305,12 @@ def main():
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--windows", type=int, default=3, help="timed windows of --iters calls; the median is reported")
     ap.add_argument("--step-only", action="store_true", help="only the distillation step, on SmolLM2-135M's shape")
+    ap.add_argument("--modes", action="store_true", help="the step in each training mode, SmolLM2-135M's shape, batch 16")
     a = ap.parse_args()
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
            "window": WINDOW, "date": time.strftime("%Y-%m-%d")}
-    if a.step_only:
-        out["step"] = step_only((8, 16), a.iters, a.windows)
+    if a.step_only or a.modes:
+        out["step"] = step_modes(16, a.iters, a.windows) if a.modes else step_only((8, 16), a.iters, a.windows)
         print(json.dumps(out, indent=1))
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

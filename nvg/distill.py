@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.utils import parametrize
 
 from nvg.artifacts import TopkReader, read_windows
 from nvg.distributed import Group
@@ -148,7 +149,9 @@ class Distiller:
         ids = torch.from_numpy(self.targets.tokens[rows]).to(self.device)
         training = torch.is_grad_enabled()
         recompute = self.recompute_every if training else 0
-        with autocast(self.device, self.precision):
+        # cached(): a group-scaled embedding tied to the head is built from its codes and scales once a
+        # step, for the lookup and the logits alike, instead of once for each
+        with autocast(self.device, self.precision), parametrize.cached():
             if self.teacher is None:
                 hidden = self.model.hidden(ids, recompute)
                 t_ids, t_logp = self._targets(rows)

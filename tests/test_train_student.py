@@ -168,6 +168,38 @@ def test_a_live_teacher_gives_full_vocabulary_and_hidden_state_targets(stage_inp
     assert losses[0] > evals[0] > 0
 
 
+def test_a_tied_group_scaled_embedding_is_built_once_a_step_with_the_same_gradient(stage_inputs, monkeypatch):
+    """The lookup and the logits share one build of a q2tp embedding's weight per loss (`parametrize.cached`
+    in `Distiller.loss`), and its scales get the gradient of both uses, as when each builds its own."""
+    from torch.nn.utils import parametrize
+
+    from nvg import tiled
+    from nvg.cmf import CODE_RANGE, Q2TP, Tensor, quant_groups
+    from nvg.distill import Distiller, Targets
+    from nvg.losses import topk_kl
+    from nvg.model import GroupScaled
+
+    model = load_model(stage_inputs / "student.cmf")
+    embed = model.model.embed_tokens
+    w = embed.weight.detach().numpy()
+    codes, scales = quant_groups(Tensor("e", Q2TP, w.shape, tiled.encode(w, 2)))
+    parametrize.register_parametrization(embed, "weight", GroupScaled(torch.from_numpy(codes), w.shape, CODE_RANGE[Q2TP]))
+    embed.parametrizations.weight.original.data.copy_(torch.from_numpy(scales))
+    targets = Targets.from_files(stage_inputs / "windows.h5", [stage_inputs / "topk.0.h5"], w.shape[0])
+    d = Distiller(model, targets, torch.device("cpu"), batch=2, precision="fp32")
+    builds = []
+    forward = GroupScaled.forward
+    monkeypatch.setattr(GroupScaled, "forward", lambda self, s: builds.append(1) or forward(self, s))
+    d.loss([0, 1]).backward()
+    scale = embed.parametrizations.weight.original
+    assert len(builds) == 1 and scale.grad is not None and scale.grad.abs().sum() > 0
+    cached_grad, scale.grad = scale.grad.clone(), None
+    ids = torch.from_numpy(targets.tokens[[0, 1]])
+    t_ids, t_logp = (torch.from_numpy(a) for a in targets.topk.read([0, 1]))
+    (topk_kl(model.hidden(ids), model.head_weight, t_ids, t_logp) / ids.numel()).backward()  # uncached: two builds
+    assert len(builds) == 3 and torch.allclose(scale.grad, cached_grad, rtol=1e-5, atol=1e-9)
+
+
 def test_the_full_kl_is_the_exact_kl_and_the_hidden_loss_is_scale_free():
     from nvg.losses import full_kl, hidden_mse
 
