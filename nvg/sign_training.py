@@ -102,6 +102,61 @@ def margin_magnitudes(margin: torch.Tensor, s: SignSettings) -> torch.Tensor:
     return (pos / unit * s.tau).clamp(2 * s.hyst, s.clamp)
 
 
+_compiled: dict = {}
+
+
+def _on_device(fn, x: torch.Tensor):
+    """`fn` compiled once for CUDA tensors, with dynamic shapes (one graph for every matrix shape); `fn`
+    itself elsewhere."""
+    if not x.is_cuda:
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
+
+
+def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, eps: float, hyst: float,
+                clamp: float) -> torch.Tensor:
+    """One matrix's sign step, in place: its optimizer state `st` takes the straight-through gradient `g`,
+    the latents move by η times the normalised step, the bits `p` follow the latents across the hysteresis
+    band. `scalars` = (η, 2/τ/gscale, 1 − b1ᵗ, 1 − b2ᵗ). A matrix with a non-finite gradient is left as it is.
+    Returns (flips, saturated, clamped, non-finite) as int64 [4].
+
+    Compiled on CUDA (`_on_device`) because it runs once per sign matrix from inside the backward pass
+    (420 matrices at a time on SmolLM2): eagerly, its ~30 weight-sized elementwise kernels a matrix made a
+    live step with sign training 2.3× as slow as one without (docs/benchmarks.md). No test branches on the
+    host: a host sync per matrix would stall the backward pass."""
+    eta, slope, bc1, bc2 = scalars[0], scalars[1], scalars[2], scalars[3]
+    bad = ~torch.isfinite(g)
+    any_bad = bad.any()
+    w = (~any_bad).to(g.dtype)
+    g = torch.where(any_bad, 0.0, g) * slope  # straight through, surrogate slope 2/τ
+    if optimizer == "adam":
+        st["m"].lerp_(g, (1 - b1) * w)
+        st["v"].mul_(1 - (1 - b2) * w).addcmul_(g, g, value=1 - b2)
+        u = (st["m"] / bc1) / ((st["v"] / bc2).sqrt() + eps)
+    elif optimizer == "factored":
+        m = st["m"].float().lerp_(g, (1 - b1) * w)
+        st["m"].copy_(m)
+        g2 = g * g
+        st["v_row"].mul_(1 - (1 - b2) * w).add_(g2.mean(-1), alpha=1 - b2)
+        st["v_col"].mul_(1 - (1 - b2) * w).add_(g2.mean(-2), alpha=1 - b2)
+        v = st["v_row"].unsqueeze(-1) * st["v_col"].unsqueeze(-2) / st["v_row"].mean(-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)
+        u = (m / bc1) / ((v / bc2).sqrt() + eps)
+    else:
+        u = g / (g.pow(2).mean().sqrt() + eps)
+    z = st["z"]
+    step = -eta * w * u
+    saturated = ((z.abs() >= clamp) & (step * z > 0)).sum()  # pushing past the clamp: no effect
+    z.add_(step)
+    clamped = (z.abs() > clamp).sum()
+    z.clamp_(-clamp, clamp)
+    new = torch.where(z > hyst, 1.0, torch.where(z < -hyst, -1.0, p))
+    flips = (new != p).sum()
+    p.copy_(new)
+    return torch.stack([flips, saturated, clamped, bad.sum()])
+
+
 class SignTrainer:
     """The latents and optimizer state of every sign matrix, updated from inside the backward pass; a
     training mode of `nvg.distill.Distiller` (its hooks are documented there)."""
@@ -115,7 +170,6 @@ class SignTrainer:
         self.s, self.group = settings, group
         self.eta0 = settings.peak_eta(total_steps)
         self.eta = 0.0  # set before every backward pass by `begin_step`
-        self.gscale = 1.0
         self.mats: dict[str, torch.nn.Parameter] = {}
         self.role: dict[str, str] = {}
         for name, m in model.blr_linears().items():
@@ -138,7 +192,8 @@ class SignTrainer:
                          "flips_total": 0, "saturated_total": 0, "clamped_total": 0}
         self.live = sum(p.numel() for p in self.mats.values())
         dev = next(iter(self.mats.values())).device if self.mats else torch.device("cpu")
-        self._step = {k: torch.zeros((), dtype=torch.int64, device=dev) for k in ("flips", "saturated", "clamped", "nonfinite")}
+        self._counts = torch.zeros(4, dtype=torch.int64, device=dev)  # this step's flips, saturated, clamped, non-finite
+        self._scalars = torch.zeros(4, device=dev)  # η, the straight-through factor, Adam's bias corrections: begin_step
         for key, p in self.mats.items():
             p.requires_grad_(True)
             p.register_post_accumulate_grad_hook(lambda p, key=key: self._update(key, p))
@@ -166,10 +221,11 @@ class SignTrainer:
     def begin_step(self, shape: float, gscale: float) -> float:
         """Set η for the coming backward pass from the schedule shape; returns it."""
         c = self.counters
-        self.eta = 0.0 if c["sign_steps"] + 1 <= self.s.warm else self.eta0 * c["eta_mul"] * shape
-        self.gscale = gscale
-        for v in self._step.values():
-            v.zero_()
+        s, t = self.s, c["sign_steps"] + 1
+        self.eta = 0.0 if t <= s.warm else self.eta0 * c["eta_mul"] * shape
+        # one host-to-device copy a step; as tensors they never make the compiled update recompile
+        self._scalars = torch.tensor([self.eta, 2.0 / s.tau / gscale, 1 - s.b1**t, 1 - s.b2**t], device=self._counts.device)
+        self._counts.zero_()
         return self.eta
 
     @torch.no_grad()
@@ -178,45 +234,14 @@ class SignTrainer:
         p.grad = None
         if self.group.world > 1:
             g = self.group.sum(g) / self.group.world
-        # A matrix with a non-finite gradient is left as it is. The test stays on the device (`w` is 0 or 1):
-        # an `if` on it would stall the backward pass on a host sync once per sign matrix.
-        bad = ~torch.isfinite(g)
-        self._step["nonfinite"] += bad.sum()
-        any_bad = bad.any()
-        w = (~any_bad).to(g.dtype)
-        s, st = self.s, self.latents[key]
-        g = torch.where(any_bad, 0.0, g) * (2.0 / s.tau / self.gscale)  # straight through, surrogate slope 2/τ
-        t = self.counters["sign_steps"] + 1
-        if s.optimizer == "adam":
-            st["m"].lerp_(g, (1 - s.b1) * w)
-            st["v"].mul_(1 - (1 - s.b2) * w).addcmul_(g, g, value=1 - s.b2)
-            u = (st["m"] / (1 - s.b1**t)) / ((st["v"] / (1 - s.b2**t)).sqrt() + s.eps)
-        elif s.optimizer == "factored":
-            m = st["m"].float().lerp_(g, (1 - s.b1) * w)
-            st["m"].copy_(m)
-            g2 = g * g
-            st["v_row"].mul_(1 - (1 - s.b2) * w).add_(g2.mean(-1), alpha=1 - s.b2)
-            st["v_col"].mul_(1 - (1 - s.b2) * w).add_(g2.mean(-2), alpha=1 - s.b2)
-            v = st["v_row"].unsqueeze(-1) * st["v_col"].unsqueeze(-2) / st["v_row"].mean(-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)
-            u = (m / (1 - s.b1**t)) / ((v / (1 - s.b2**t)).sqrt() + s.eps)
-        else:
-            u = g / (g.pow(2).mean().sqrt() + s.eps)
-        if self.eta == 0.0:
-            return
-        z = st["z"]
-        step = -self.eta * w * u
-        self._step["saturated"] += ((z.abs() >= s.clamp) & (step * z > 0)).sum()  # pushing past the clamp: no effect
-        z.add_(step)
-        self._step["clamped"] += (z.abs() > s.clamp).sum()
-        z.clamp_(-s.clamp, s.clamp)
-        new = torch.where(z > s.hyst, 1.0, torch.where(z < -s.hyst, -1.0, p))
-        self._step["flips"] += (new != p).sum()
-        p.copy_(new)
+        step = _on_device(latent_step, g)
+        self._counts += step(self.s.optimizer, g, p, self.latents[key], self._scalars, self.s.b1, self.s.b2,
+                             self.s.eps, self.s.hyst, self.s.clamp)
 
     def end_step(self) -> dict:
         """After the backward pass: this step's counts (one host synchronisation)."""
         c = self.counters
-        flips, sat, clamped, nonfinite = (int(self._step[k]) for k in ("flips", "saturated", "clamped", "nonfinite"))
+        flips, sat, clamped, nonfinite = self._counts.tolist()
         c["sign_steps"] += 1
         c["flips_total"] += flips
         c["saturated_total"] += sat
