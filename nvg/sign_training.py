@@ -102,19 +102,6 @@ def margin_magnitudes(margin: torch.Tensor, s: SignSettings) -> torch.Tensor:
     return (pos / unit * s.tau).clamp(2 * s.hyst, s.clamp)
 
 
-_compiled: dict = {}
-
-
-def _on_device(fn, x: torch.Tensor):
-    """`fn` compiled once for CUDA tensors, with dynamic shapes (one graph for every matrix shape); `fn`
-    itself elsewhere."""
-    if not x.is_cuda:
-        return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True)
-    return _compiled[fn]
-
-
 def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, eps: float, hyst: float,
                 clamp: float) -> torch.Tensor:
     """One matrix's sign step, in place: its optimizer state `st` takes the straight-through gradient `g`,
@@ -122,10 +109,8 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
     band. `scalars` = (η, 2/τ/gscale, 1 − b1ᵗ, 1 − b2ᵗ). A matrix with a non-finite gradient is left as it is.
     Returns (flips, saturated, clamped, non-finite) as int64 [4].
 
-    Compiled on CUDA (`_on_device`) because it runs once per sign matrix from inside the backward pass
-    (420 matrices at a time on SmolLM2): eagerly, its ~30 weight-sized elementwise kernels a matrix made a
-    live step with sign training 2.3× as slow as one without (docs/benchmarks.md). No test branches on the
-    host: a host sync per matrix would stall the backward pass."""
+    No test branches on the host: a host sync per matrix would stall the backward pass. (Compiled with
+    inductor on the H200 it made the step no faster: docs/benchmarks.md.)"""
     eta, slope, bc1, bc2 = scalars[0], scalars[1], scalars[2], scalars[3]
     bad = ~torch.isfinite(g)
     any_bad = bad.any()
@@ -223,7 +208,7 @@ class SignTrainer:
         c = self.counters
         s, t = self.s, c["sign_steps"] + 1
         self.eta = 0.0 if t <= s.warm else self.eta0 * c["eta_mul"] * shape
-        # one host-to-device copy a step; as tensors they never make the compiled update recompile
+        # one host-to-device copy a step
         self._scalars = torch.tensor([self.eta, 2.0 / s.tau / gscale, 1 - s.b1**t, 1 - s.b2**t], device=self._counts.device)
         self._counts.zero_()
         return self.eta
@@ -234,9 +219,8 @@ class SignTrainer:
         p.grad = None
         if self.group.world > 1:
             g = self.group.sum(g) / self.group.world
-        step = _on_device(latent_step, g)
-        self._counts += step(self.s.optimizer, g, p, self.latents[key], self._scalars, self.s.b1, self.s.b2,
-                             self.s.eps, self.s.hyst, self.s.clamp)
+        self._counts += latent_step(self.s.optimizer, g, p, self.latents[key], self._scalars, self.s.b1, self.s.b2,
+                                    self.s.eps, self.s.hyst, self.s.clamp)
 
     def end_step(self) -> dict:
         """After the backward pass: this step's counts (one host synchronisation)."""
