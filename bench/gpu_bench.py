@@ -31,17 +31,16 @@ import time
 import numpy as np
 import torch
 import transformers
-from torch.nn.utils import parametrize
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from nvg import blr as codec
 from nvg import tiled
-from nvg.cmf import CODE_RANGE, Q2TP, Tensor, quant_groups
+from nvg.cmf import Q2TP, Tensor
 from nvg.losses import topk_logprobs
 from nvg.distill import Distiller, Targets
 from nvg.layout import parse_body_linear
 from nvg.distributed import Group
-from nvg.model import GroupScaled, ModelConfig, build_model, compile_blocks, flops_per_token, load_model
+from nvg.model import ModelConfig, build_model, compile_blocks, flops_per_token, group_scaled, load_model
 from nvg.settings import load
 from nvg.sign_training import SignSettings, SignTrainer
 
@@ -249,11 +248,8 @@ def step_only(batches, iters: int, windows: int) -> dict:
 def q2tp_embedding(model):
     """The model's tied embedding (and so its head) in q2tp, its group scales trainable, as load_model
     builds a student whose file has a q2tp embedding."""
-    embed = model.model.embed_tokens
-    w = embed.weight.detach().float().cpu().numpy()
-    codes, scales = quant_groups(Tensor("e", Q2TP, w.shape, tiled.encode(w, 2)))
-    parametrize.register_parametrization(embed, "weight", GroupScaled(torch.from_numpy(codes).to(embed.weight.device), w.shape, CODE_RANGE[Q2TP]))
-    embed.parametrizations.weight.original.data.copy_(torch.from_numpy(scales))
+    w = model.model.embed_tokens.weight.detach().float().cpu().numpy()
+    group_scaled(model.model.embed_tokens, Tensor("model.embed_tokens.weight", Q2TP, w.shape, tiled.encode(w, 2)))
     return model
 
 

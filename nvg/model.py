@@ -279,6 +279,15 @@ class GroupScaled(nn.Module):
         return (c * w).sum(1) / (c * c).sum(1).clamp_min(1)
 
 
+def group_scaled(module: nn.Module, t) -> nn.Module:
+    """`module.weight` becomes the group-scaled CMF tensor `t` (q8_row, q4_block, q4tp, q2tp): its codes
+    fixed, its scales (the file's, bit for bit) the trainable parameter behind the weight."""
+    codes, scales = quant_groups(t)
+    parametrize.register_parametrization(module, "weight", GroupScaled(torch.from_numpy(codes), t.shape, CODE_RANGE[t.dtype]))
+    module.parametrizations.weight.original.data.copy_(torch.from_numpy(scales))
+    return module
+
+
 class Body(nn.Module):
     def __init__(self, embed, layers, norm):
         super().__init__()
@@ -416,9 +425,7 @@ def load_model(source: str | CmfFile, device: str | torch.device = "cpu") -> Lla
         for name, module in (("model.embed_tokens.weight", model.model.embed_tokens), ("lm_head.weight", getattr(model, "lm_head", None))):
             t = cmf.tensors.get(name)
             if module is not None and t is not None and t.dtype in GROUP_SCALED:
-                codes, scales = quant_groups(t)
-                parametrize.register_parametrization(module, "weight", GroupScaled(torch.from_numpy(codes), t.shape, CODE_RANGE[t.dtype]))
-                module.parametrizations.weight.original.data.copy_(torch.from_numpy(scales))  # the file's, bit for bit
+                group_scaled(module, t)
     return model.to(device).eval()
 
 

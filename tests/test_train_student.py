@@ -171,20 +171,16 @@ def test_a_live_teacher_gives_full_vocabulary_and_hidden_state_targets(stage_inp
 def test_a_tied_group_scaled_embedding_is_built_once_a_step_with_the_same_gradient(stage_inputs, monkeypatch):
     """The lookup and the logits share one build of a q2tp embedding's weight per loss (`parametrize.cached`
     in `Distiller.loss`), and its scales get the gradient of both uses, as when each builds its own."""
-    from torch.nn.utils import parametrize
-
     from nvg import tiled
-    from nvg.cmf import CODE_RANGE, Q2TP, Tensor, quant_groups
+    from nvg.cmf import Q2TP, Tensor
     from nvg.distill import Distiller, Targets
     from nvg.losses import topk_kl
-    from nvg.model import GroupScaled
+    from nvg.model import GroupScaled, group_scaled
 
     model = load_model(stage_inputs / "student.cmf")
     embed = model.model.embed_tokens
     w = embed.weight.detach().numpy()
-    codes, scales = quant_groups(Tensor("e", Q2TP, w.shape, tiled.encode(w, 2)))
-    parametrize.register_parametrization(embed, "weight", GroupScaled(torch.from_numpy(codes), w.shape, CODE_RANGE[Q2TP]))
-    embed.parametrizations.weight.original.data.copy_(torch.from_numpy(scales))
+    group_scaled(embed, Tensor("model.embed_tokens.weight", Q2TP, w.shape, tiled.encode(w, 2)))
     targets = Targets.from_files(stage_inputs / "windows.h5", [stage_inputs / "topk.0.h5"], w.shape[0])
     d = Distiller(model, targets, torch.device("cpu"), batch=2, precision="fp32")
     builds = []
