@@ -20,6 +20,7 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
                                                             # (random weights), nvg's and the dense transformers one
     python bench/gpu_bench.py --modes --out modes.json      # the step in each training mode of train_student
                                                             # (SmolLM2-135M's shape, batch 16), beside the dense one
+                                                            # (--profile: and where each mode's time goes)
 """
 
 from __future__ import annotations
@@ -253,7 +254,17 @@ def q2tp_embedding(model):
     return model
 
 
-def step_modes(batch: int, iters: int, windows: int) -> dict:
+def profiled(fn, steps: int = 2) -> str:
+    """torch.profiler's table of the 20 ops with the most GPU time over `steps` calls (after the timed ones),
+    with each op's host time beside it."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+
+
+def step_modes(batch: int, iters: int, windows: int, profile: bool = False) -> dict:
     """train_student's step in each training mode (docs/training.md) on SmolLM2-135M's shape (random
     weights, 1 bpw, P = 2), batch × WINDOW tokens, each beside the plain-transformers dense KD step: the
     cached top-64 (`targets: topk`), the live teacher (`targets: live`, full-vocabulary KL), the live teacher
@@ -288,6 +299,8 @@ def step_modes(batch: int, iters: int, windows: int) -> dict:
         row = measure(lambda: d.step(list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), batch * WINDOW,
                       3 * sfpt, iters, windows)  # the live teacher's forward is not counted in the FLOPs
         row["vs_dense"] = round(row["tok_s"] / rows["transformers (dense)"]["tok_s"], 2) if "tok_s" in row else None
+        if profile:  # where a mode's time goes: the ops with the most GPU time over two steps, and the host's
+            row["profile"] = profiled(lambda: d.step(list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0))
         rows[name] = row
         print(json.dumps(rows), flush=True)
         d = opt = student = None
@@ -302,11 +315,12 @@ def main():
     ap.add_argument("--windows", type=int, default=3, help="timed windows of --iters calls; the median is reported")
     ap.add_argument("--step-only", action="store_true", help="only the distillation step, on SmolLM2-135M's shape")
     ap.add_argument("--modes", action="store_true", help="the step in each training mode, SmolLM2-135M's shape, batch 16")
+    ap.add_argument("--profile", action="store_true", help="with --modes: each mode's profile of two steps")
     a = ap.parse_args()
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
            "window": WINDOW, "date": time.strftime("%Y-%m-%d")}
     if a.step_only or a.modes:
-        out["step"] = step_modes(16, a.iters, a.windows) if a.modes else step_only((8, 16), a.iters, a.windows)
+        out["step"] = step_modes(16, a.iters, a.windows, a.profile) if a.modes else step_only((8, 16), a.iters, a.windows)
         print(json.dumps(out, indent=1))
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
