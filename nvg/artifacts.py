@@ -84,10 +84,14 @@ def encoded_from(student) -> str | None:
 
 
 def check_encoded_from(student, teacher) -> None:
-    """A student must have been encoded from this teacher (one without a record passes on its shape alone)."""
+    """A student must have been encoded from this teacher (one without a record passes on its shape alone)
+    and have its vocabulary, width and depth."""
     recorded = encoded_from(student)
     if recorded is not None and recorded != model_hash(teacher):
         raise NvgError(f"{student.path}: encoded from teacher {recorded}, not from {teacher.path} ({model_hash(teacher)})")
+    for key in ("vocab_size", "hidden_size", "num_layers"):
+        if teacher.arch.get(key) != student.arch.get(key):
+            raise NvgError(f"{teacher.path}: arch.{key} {teacher.arch.get(key)} differs from the student's {student.arch.get(key)}")
 
 
 class TopkShardWriter:

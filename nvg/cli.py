@@ -23,7 +23,7 @@ from nvg.layout import bits_summary
 
 TOOLS = ["export_hf", "generate"]  # modules with their own CLI, run as `nvg export-hf …`, `nvg generate …`
 STAGES = ["import_teacher", "generate_corpus", "tokenize_windows", "teacher_topk", "gram_capture", "budget_reencode",
-          "dtgma_cut", "train_student", "export", "evaluate", "report"]
+          "dtgma_cut", "reconstruct_blocks", "train_student", "export", "evaluate", "report"]
 
 
 def inspect(path: str) -> None:

@@ -190,7 +190,7 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg evaluate", description=__doc__.splitlines()[0])
-    for name, what in (("teacher", "the teacher CMF"), ("encoded", "the student before training"), ("final", "the trained student"),
+    for name, what in (("teacher", "the teacher CMF"), ("encoded", "the student before training (encoded; cut or reconstructed when those stages run)"), ("final", "the trained student"),
                        ("windows", "the token windows (their held-out rows are scored)"), ("out", "eval.json")):
         ap.add_argument(f"--{name}", required=True, type=Path, help=what)
     ap.add_argument("--topk", required=True, type=Path, nargs="+", help="the teacher's top-k shards (results/teacher/topk.*.h5)")

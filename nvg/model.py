@@ -19,7 +19,8 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from nvg import blr as blr_codec
-from nvg.cmf import BLR, CODE_RANGE, GROUP_SCALED, CmfFile, quant_groups, read_cmf, tensor_to_numpy
+from nvg.cmf import (BLR, CODE_RANGE, F16, GROUP_SCALED, CmfFile, Tensor, dense_tensor, quant_groups, read_cmf, tensor_to_numpy,
+                     with_group_codes, with_group_scales, write_cmf)
 from nvg.errors import NvgError
 from nvg.layout import BODY_ROLES
 
@@ -427,6 +428,38 @@ def load_model(source: str | CmfFile, device: str | torch.device = "cpu") -> Lla
             if module is not None and t is not None and t.dtype in GROUP_SCALED:
                 group_scaled(module, t)
     return model.to(device).eval()
+
+
+def write_student(student_cmf: CmfFile, model: "Llama", out, provenance_key: str, provenance_block: dict) -> None:
+    """`load_model` backwards: a copy of the student file with the model's trained payload values, same
+    tensors, shapes, dtypes and sizes, and `provenance_block` recorded under `provenance_key`. Group
+    scales that were not trained (their `requires_grad` off) keep their bytes: writing refits q4tp's and
+    q2tp's ladders, which would move them. Trained codes (`train.group_code_lr`) are written first, then
+    the scales."""
+    blr = model.blr_linears()
+    gains = model.norm_gains()
+    group_scales = {name: p for name, p in model.group_scales().items() if p.requires_grad}
+    group_codes = {name: g for name, g in model.group_codes().items() if g.latent is not None}
+    tensors = []
+    for name, t in student_cmf.tensors.items():
+        if name in blr and t.dtype == BLR:
+            data = blr[name].to_payload().encode()
+        elif name in gains and t.dtype == F16:
+            data = dense_tensor(name, gains[name].detach().cpu().numpy(), F16).data
+        elif name in group_scales or name in group_codes:
+            data = t.data
+            if name in group_codes:
+                data = with_group_codes(t, group_codes[name].current_codes().cpu().numpy())
+            if name in group_scales:
+                data = with_group_scales(Tensor(name, t.dtype, t.shape, data), group_scales[name].detach().float().cpu().numpy())
+        else:
+            data = t.data
+        if len(data) != len(t.data):
+            raise NvgError(f"{name}: exported payload is {len(data)} bytes, the student's is {len(t.data)}")
+        tensors.append(Tensor(name, t.dtype, t.shape, data))
+    header = dict(student_cmf.header)
+    header["provenance"] = {**header.get("provenance", {}), provenance_key: provenance_block}
+    write_cmf(out, header, tensors, student_cmf.vocab)
 
 
 # Graphs dynamo may keep per block signature: training (checkpointed), no-grad evaluation, and the

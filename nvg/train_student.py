@@ -36,13 +36,13 @@ import torch
 from nvg import distributed
 from nvg.artifacts import check_encoded_from, check_grams, encoded_from, read_grams
 from nvg.atomic import atomic_path
-from nvg.cmf import BLR, F16, CmfFile, Tensor, dense_tensor, read_verified, with_group_codes, with_group_scales, write_cmf
+from nvg.cmf import CmfFile, read_verified
 from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
 from nvg.layout import ROLE_INPUT, parse_body_linear
-from nvg.model import compile_blocks, load_model, pick_device
+from nvg.model import compile_blocks, load_model, pick_device, write_student
 from nvg.settings import SETTINGS_HELP, check, load
 from nvg.sign_training import SignSettings, SignTrainer
 
@@ -169,9 +169,6 @@ def live_teacher(t_cmf: CmfFile, student: CmfFile, device):
     """The teacher as a frozen model beside the student, after checking that the student was encoded
     from it (the teacher hash the encoder recorded) and has its shape."""
     check_encoded_from(student, t_cmf)
-    for key in ("vocab_size", "hidden_size", "num_layers"):
-        if t_cmf.arch.get(key) != student.arch.get(key):
-            raise NvgError(f"{t_cmf.path}: arch.{key} {t_cmf.arch.get(key)} differs from the student's {student.arch.get(key)}")
     model = compile_blocks(load_model(t_cmf, device))
     model.requires_grad_(False)
     return model
@@ -319,37 +316,6 @@ def fit(run: Run) -> None:
                 say(f"  state saved at step {st.done}: {run.state_file}")
 
 
-def export_student(student_cmf, model, out: Path, provenance_block: dict) -> None:
-    """A copy of the student with the trained payload values: same tensors, shapes, dtypes and sizes. Group
-    scales that were not trained (`train.group_scale_lr: 0`) keep their bytes: writing refits q4tp's and
-    q2tp's ladders, which would move them. Trained codes (`train.group_code_lr`) are written first, then
-    the scales."""
-    blr = model.blr_linears()
-    gains = model.norm_gains()
-    group_scales = {name: p for name, p in model.group_scales().items() if p.requires_grad}
-    group_codes = {name: g for name, g in model.group_codes().items() if g.latent is not None}
-    tensors = []
-    for name, t in student_cmf.tensors.items():
-        if name in blr and t.dtype == BLR:
-            data = blr[name].to_payload().encode()
-        elif name in gains and t.dtype == F16:
-            data = dense_tensor(name, gains[name].detach().cpu().numpy(), F16).data
-        elif name in group_scales or name in group_codes:
-            data = t.data
-            if name in group_codes:
-                data = with_group_codes(t, group_codes[name].current_codes().cpu().numpy())
-            if name in group_scales:
-                data = with_group_scales(Tensor(name, t.dtype, t.shape, data), group_scales[name].detach().float().cpu().numpy())
-        else:
-            data = t.data
-        if len(data) != len(t.data):
-            raise NvgError(f"{name}: exported payload is {len(data)} bytes, the student's is {len(t.data)}")
-        tensors.append(Tensor(name, t.dtype, t.shape, data))
-    header = dict(student_cmf.header)
-    header["provenance"] = {**header.get("provenance", {}), "nvg_train": provenance_block}
-    write_cmf(out, header, tensors, student_cmf.vocab)
-
-
 def codes_changed(model) -> dict[str, float]:
     """The fraction of each quantised embedding's / head's codes that training moved off the encoder's."""
     return {name: float((g.current_codes() != g.codes).float().mean()) for name, g in model.group_codes().items()}
@@ -362,7 +328,7 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
     run.say(f"train_student: best held-out KL {st.best_kl:.5f} at step {st.best_step} (start {st.e0:.5f}); "
             f"{st.skipped} non-finite steps skipped; {st.done} steps")
     if run.group.main:
-        export_student(run.student, d.model, out, {
+        write_student(run.student, d.model, out, "nvg_train", {
             "teacher": teacher_name, "windows_hash": d.targets.windows_hash, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
             "lr": s.lr, "lr_relative": s.lr_relative, "group_scale_lr": s.group_scale_lr, "group_code_lr": s.group_code_lr,
             **({"group_codes_changed": codes_changed(d.model)} if s.group_code_lr > 0 else {}), "targets": s.targets, "steps": st.done,

@@ -191,6 +191,7 @@ def tiny_config(teacher: Path, corpus: Path) -> dict:
         "grams": {"fit_windows": 16, "sel_windows": 8, "batch": 8},
         "encode": {"bpw": 2.0, "iters": 2},
         "dtgma": {"keep": 0.5, "align": 8, "max_steps": 20, "eval_every": 5, "batch": 8},
+        "reconstruct": {"steps": 3, "windows": 8, "batch": 4},
         "train": {"epochs": 2, "batch": 8, "lr": 0.005, "eval_every": 4, "state_every": 4},
         "evaluate": {"batch": 8, "ood": [str(corpus / "story.txt")], "ood_tokens": 256},
     }

@@ -20,6 +20,7 @@ GPU_RULES = {"generate_corpus", "teacher_topk", "gram_capture", "budget_reencode
 def test_whole_dag_through_an_executor_plugin_resumes_after_a_time_limit(tiny_hf, tiny_corpus, tmp_path):
     config = tiny_config(tiny_hf, tiny_corpus)
     config["dtgma"]["keep"] = None
+    config["reconstruct"]["steps"] = 0
     config["train"].update(epochs=30, state_every=10, eval_every=40)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     proc = subprocess.run(

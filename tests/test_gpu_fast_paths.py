@@ -191,6 +191,22 @@ def test_gpu_stage_modules_match_the_cpu(tiny_cmf, stage_inputs, tmp_path):
     assert widths[1] < widths[0]
 
 
+def test_reconstruct_blocks_on_cuda_matches_the_cpu(stage_inputs, tmp_path):
+    """Block-wise reconstruction with compiled blocks on CUDA takes the CPU's steps (float32)."""
+    from nvg import reconstruct_blocks
+    from nvg.cmf import read_cmf
+
+    blocks = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / f"reconstructed-{device}.cmf"
+        reconstruct_blocks.main(stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5", out,
+                                load(reconstruct_blocks.ReconstructSettings, steps=8, windows=16, batch=4, device=device, precision="fp32"))
+        blocks[device] = read_cmf(out).header["provenance"]["nvg_reconstruct"]["blocks"]
+    for cpu, gpu in zip(blocks["cpu"], blocks["cuda"]):
+        assert gpu["before"] == pytest.approx(cpu["before"], rel=1e-3)
+        assert gpu["after"] == pytest.approx(cpu["after"], rel=2e-2) and gpu["after"] < gpu["before"]
+
+
 def test_sign_training_on_cuda_matches_the_cpu(stage_inputs):
     """Sign training's hooks inside the compiled, checkpointed backward pass take the CPU's steps."""
     from tests.conftest import train

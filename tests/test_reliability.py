@@ -481,7 +481,8 @@ def test_fuzz_plan_parser(lines):
 SETTINGS = {"data": "nvg.tokenize_windows.WindowSettings", "generate_corpus": "nvg.generate_corpus.CorpusSettings",
             "teacher_topk": "nvg.teacher_topk.TopkSettings",
             "grams": "nvg.gram_capture.GramSettings", "encode": "nvg.encoder.EncodeSettings",
-            "dtgma": "nvg.dtgma_cut.DtgmaSettings", "train": "nvg.train_student.TrainSettings",
+            "dtgma": "nvg.dtgma_cut.DtgmaSettings", "reconstruct": "nvg.reconstruct_blocks.ReconstructSettings",
+            "train": "nvg.train_student.TrainSettings",
             "train.signs": "nvg.sign_training.SignSettings", "evaluate": "nvg.evaluate.EvalSettings"}
 
 

@@ -20,7 +20,7 @@ from nvg.cmf import read_cmf, verify
 from tests.conftest import REPO, planned_jobs, snakemake, tiny_config
 
 AFTER_DATA = {"tokenize_windows", "teacher_topk", "gram_capture", "budget_reencode", "dtgma_cut",
-              "train_student", "export", "evaluate", "report"}
+              "reconstruct_blocks", "train_student", "export", "evaluate", "report"}
 
 
 def test_whole_dag_produces_a_verified_model(finished_run):
@@ -35,6 +35,7 @@ def test_whole_dag_produces_a_verified_model(finished_run):
     prov = cmf.header["provenance"]
     assert prov["dtgma"]["keep"] == 0.5 and all(w % 8 == 0 for w in prov["dtgma"]["widths"])
     assert prov["nvg_train"]["steps"] > 0 and "versions" in prov["nvg_pipeline"]
+    assert prov["nvg_reconstruct"]["tokens_per_block"] == 3 * 4 * 32 and len(prov["nvg_reconstruct"]["blocks"]) == 2
     masked = read_cmf(workdir / "results/student/masked.cmf")
     assert [(t.name, t.dtype, t.shape, len(t.data)) for t in masked.tensors.values()] == \
            [(t.name, t.dtype, t.shape, len(t.data)) for t in cmf.tensors.values()]
@@ -43,7 +44,8 @@ def test_whole_dag_produces_a_verified_model(finished_run):
     report = json.loads((workdir / "results/eval.json").read_text())
     h = report["heldout"]
     assert h["final"]["kl_topk"] < h["encoded"]["kl_topk"]
-    assert 0 < report["files"]["encoded"]["body_bpw"] <= 2.0
+    # "before training" is what train_student started from: here encoded, cut, then reconstructed
+    assert report["files"]["encoded"]["path"].endswith("student/reconstructed.cmf") and report["files"]["encoded"]["body_bpw"] > 0
     encoded = read_cmf(workdir / "results/student/encoded.cmf")
     payload = lambda c: sum(len(t.data) for t in c.tensors.values())  # noqa: E731
     assert payload(cmf) < payload(encoded)  # the cut removed MLP neurons
@@ -61,8 +63,10 @@ def test_nothing_changed_runs_nothing(finished_run):
 @pytest.mark.parametrize("change, expected", [
     (("train", "lr", 0.004), {"train_student", "export", "evaluate", "report"}),
     (("train", "targets", "live"), {"train_student", "export", "evaluate", "report"}),
-    (("teacher_topk", "k", 6), {"teacher_topk", "dtgma_cut", "train_student", "export", "evaluate", "report"}),
-    (("encode", "bpw", 1.5), {"budget_reencode", "dtgma_cut", "train_student", "export", "evaluate", "report"}),
+    (("teacher_topk", "k", 6), {"teacher_topk", "dtgma_cut", "reconstruct_blocks", "train_student", "export", "evaluate", "report"}),
+    (("encode", "bpw", 1.5), {"budget_reencode", "dtgma_cut", "reconstruct_blocks", "train_student", "export", "evaluate", "report"}),
+    (("reconstruct", "lr", 0.02), {"reconstruct_blocks", "train_student", "export", "evaluate", "report"}),
+    (("reconstruct", "steps", 0), {"train_student", "export", "evaluate", "report"}),  # trains the cut student
     (("evaluate", "batch", 4), {"evaluate", "report"}),
     (("data", "sources", "first-weight"), AFTER_DATA),
     (("generate_corpus", "temperature", 0.7), {"generate_corpus"} | AFTER_DATA),

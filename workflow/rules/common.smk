@@ -109,11 +109,18 @@ def targets_args(wildcards, input):
     return "--topk " + " ".join(shlex.quote(p) for p in input.topk)
 
 
-def student_for_training():
+def encoded_student():
     """The DTG-MA cut student when `dtgma.keep` is set, else the encoded one."""
     if config["dtgma"]["keep"] is not None:
         return "results/student/masked.cmf"
     return "results/student/encoded.cmf"
+
+
+def student_for_training():
+    """The block-wise reconstructed student when `reconstruct.steps` > 0, else `encoded_student()`."""
+    if config["reconstruct"]["steps"] > 0:
+        return "results/student/reconstructed.cmf"
+    return encoded_student()
 
 
 def gram_model(wildcards):

@@ -1,7 +1,7 @@
 rule evaluate:
     input:
         teacher="results/teacher.cmf",
-        encoded="results/student/encoded.cmf",
+        encoded=student_for_training(),
         final="results/model.cmf",
         windows="results/data/windows.h5",
         topk=topk_shards(),

@@ -1,0 +1,91 @@
+"""Block-wise reconstruction (EfficientQAT's Block-AP, NanoQuant): one student block learns its scales
+so that, fed the student's own hidden states, it outputs what the teacher's block outputs on the
+teacher's.
+
+The encoder fits every linear alone to its input Gram; a block of them, with attention, SwiGLU and the
+errors of every block before it, drifts from the teacher's block. Here the block's trainable tensors
+(h, ℓ, g of each BLR linear, the RMSNorm gains) minimise the per-token relative error
+‖block(x_s) − y_t‖² / ‖y_t‖² over calibration windows, x_s the student's input (the blocks before already
+reconstructed: the block also learns to undo the error it is handed), y_t the teacher's output on its
+own input. Per token, because the next block sees each token's state through an RMSNorm: a plain MSE over
+the residual stream is the error of the few tokens that carry a massive activation (on the CPU default
+job's SmolLM2 student, from block 11 on it was 0.04 whatever the other tokens did, and blocks 12–27 then
+trained on nothing). Adam with each tensor's step relative to its starting RMS (as `train.lr_relative`),
+linear warm-up then cosine to zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nvg.distill import lr_shape, param_groups
+
+
+def block_trainable(block: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The tensors reconstruction trains (everything else in the block frozen): h, ℓ, g and norm gains."""
+    params = {}
+    for name, p in block.named_parameters():
+        keep = name.endswith((".h", ".ell", ".g")) or name.endswith("norm.weight")
+        p.requires_grad_(keep)
+        if keep:
+            params[name] = p
+    return params
+
+
+@torch.no_grad()
+def run_block(block, x: torch.Tensor, cos, sin, batch: int, autocast) -> torch.Tensor:
+    """The block's float32 output on every row of `x` [n, t, d], `batch` rows at a time."""
+    out = torch.empty_like(x)
+    for s in range(0, len(x), batch):
+        with autocast:
+            out[s : s + batch] = block(x[s : s + batch], cos, sin).float()
+    return out
+
+
+def token_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean over tokens of ‖out − y‖² / ‖y‖² (float32)."""
+    return ((out.float() - y).pow(2).sum(-1) / y.pow(2).sum(-1).clamp_min(1e-30)).mean()
+
+
+@torch.no_grad()
+def relative_error(block, x: torch.Tensor, y: torch.Tensor, cos, sin, batch: int, autocast) -> float:
+    """`token_error` of the block over every row."""
+    total = 0.0
+    for s in range(0, len(x), batch):
+        with autocast:
+            out = block(x[s : s + batch], cos, sin)
+        total += float(token_error(out, y[s : s + batch])) * len(out)
+    return total / len(x)
+
+
+def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, steps: int, batch: int, lr: float,
+                      autocast, generator: torch.Generator) -> dict:
+    """Train `block` (in place) for `steps` Adam steps of `batch` rows drawn from `x` → `y` [n, t, d] (float32).
+    Returns the relative error over every row before and after; when training made it worse (it should
+    not), the block's starting values are put back."""
+    params = block_trainable(block)
+    start = {n: p.detach().clone() for n, p in params.items()}
+    before = relative_error(block, x, y, cos, sin, batch, autocast)
+    opt = torch.optim.Adam(param_groups(params, relative=True), lr=lr, fused=x.is_cuda)
+    losses = []
+    for step in range(1, steps + 1):
+        rows = torch.randint(len(x), (batch,), generator=generator).to(x.device)
+        with autocast:
+            out = block(x[rows], cos, sin)
+        loss = token_error(out, y[rows])
+        loss.backward()
+        for group in opt.param_groups:
+            group["lr"] = lr * lr_shape(step, steps) * group["lr_scale"]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    after = relative_error(block, x, y, cos, sin, batch, autocast)
+    kept = after <= before
+    if not kept:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(start[n])
+    for p in params.values():
+        p.requires_grad_(False)
+    return {"before": before, "after": after if kept else before, "kept": kept,
+            "first_loss": float(losses[0]) if losses else None, "last_loss": float(losses[-1]) if losses else None}

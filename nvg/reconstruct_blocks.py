@@ -1,0 +1,107 @@
+"""Stage `reconstruct_blocks` (optional, `reconstruct.steps` > 0): before distillation, each student block
+in turn learns its scales to reproduce the teacher's block on the student's own hidden states.
+
+The algorithm is `nvg/blockwise.py`'s; this driver holds `windows` calibration windows (a seeded choice
+of the training rows, never the held-out ones) as two residual streams, the teacher's and the student's,
+on the device: for block i the teacher's block gives the target from the teacher's stream, the student's
+block trains on the student's stream, and both streams then move on one block. Memory: three float32
+streams, 12 · windows · window · hidden bytes (256 windows of 1,024 on SmolLM2: 1.8 GB). Minutes on the
+H200, so a killed job starts over rather than resuming.
+
+    python -m nvg.reconstruct_blocks --student S.cmf --teacher T.cmf --windows W.h5 --out R.cmf --settings JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from nvg.artifacts import check_encoded_from, read_windows
+from nvg.blockwise import reconstruct_block, run_block
+from nvg.cmf import read_verified
+from nvg.errors import NvgError, exits_cleanly
+from nvg.model import autocast, compile_blocks, load_model, pick_device, rotary_tables, write_student
+from nvg.settings import SETTINGS_HELP, load
+
+
+@dataclass
+class ReconstructSettings:
+    """Config block `reconstruct` (defaults and bounds: the schema; build with `nvg.settings.load`)."""
+
+    SECTION: ClassVar[str] = "reconstruct"
+    steps: int
+    windows: int
+    batch: int
+    lr: float
+    seed: int
+    device: str
+    precision: str  # (steps 0: the workflow leaves the stage out; run by hand it writes the student unchanged)
+
+
+@torch.no_grad()
+def embed_rows(model, ids: torch.Tensor, batch: int, ctx) -> torch.Tensor:
+    """The model's token embeddings of `ids` [n, t] as one float32 stream [n, t, hidden]."""
+    out = []
+    for s in range(0, len(ids), batch):
+        with ctx:
+            out.append(model.embed(ids[s : s + batch]).float())
+    return torch.cat(out)
+
+
+def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructSettings) -> None:
+    t0 = time.perf_counter()
+    device = pick_device(s.device)
+    s_cmf, t_cmf = read_verified(student), read_verified(teacher)
+    check_encoded_from(s_cmf, t_cmf)
+    tokens, attrs = read_windows(windows, s_cmf.arch["vocab_size"])
+    n_train = int(attrs["n_train"])
+    if s.windows > n_train:
+        raise NvgError(f"config reconstruct.windows: {s.windows} exceeds the {n_train} training windows of {windows}")
+    if s.batch > s.windows:
+        raise NvgError(f"config reconstruct.batch: {s.batch} exceeds reconstruct.windows {s.windows}")
+    rows = np.sort(np.random.default_rng(s.seed).permutation(n_train)[: s.windows])
+    ids = torch.from_numpy(tokens[rows]).long().to(device)
+    t_model = compile_blocks(load_model(t_cmf, device)).requires_grad_(False)
+    s_model = compile_blocks(load_model(s_cmf, device)).requires_grad_(False)
+    ctx = autocast(device, s.precision)
+    x_t, x_s = embed_rows(t_model, ids, s.batch, ctx), embed_rows(s_model, ids, s.batch, ctx)
+    cos, sin = rotary_tables(s_model.cfg, ids.shape[1], device)
+    generator = torch.Generator().manual_seed(s.seed)
+    blocks = []
+    for i, (t_block, s_block) in enumerate(zip(t_model.model.layers, s_model.model.layers)):
+        y_t = run_block(t_block, x_t, cos, sin, s.batch, ctx)
+        stats = reconstruct_block(s_block, x_s, y_t, cos, sin, steps=s.steps, batch=s.batch, lr=s.lr,
+                                  autocast=ctx, generator=generator)
+        blocks.append(stats)
+        print(f"  block {i}: relative error {stats['before']:.5f} → {stats['after']:.5f}"
+              + ("" if stats["kept"] else " (worse: starting values kept)"), file=sys.stderr)
+        x_s, x_t = run_block(s_block, x_s, cos, sin, s.batch, ctx), y_t
+    seconds = time.perf_counter() - t0
+    write_student(s_cmf, s_model, out, "nvg_reconstruct", {
+        "windows_hash": str(attrs["tokens_blake2b"]), "rows": rows.tolist(), "tokens_per_block": s.steps * s.batch * int(ids.shape[1]),
+        "blocks": blocks, "settings": asdict(s)})
+    print(f"reconstruct_blocks: {len(blocks)} blocks × {s.steps} steps of {s.batch} windows, relative error of the last "
+          f"block {blocks[-1]['before']:.4f} → {blocks[-1]['after']:.4f}, {seconds:.1f} s on {device} → {out}", file=sys.stderr)
+
+
+@exits_cleanly
+def cli(argv=None):
+    ap = argparse.ArgumentParser(prog="nvg reconstruct-blocks", description=__doc__.splitlines()[0])
+    ap.add_argument("--student", required=True, type=Path, help="the encoded student CMF")
+    ap.add_argument("--teacher", required=True, type=Path, help="the teacher CMF it was encoded from")
+    ap.add_argument("--windows", required=True, type=Path, help="the token windows (results/data/windows.h5)")
+    ap.add_argument("--out", required=True, type=Path, help="the reconstructed student CMF")
+    ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    a = ap.parse_args(argv)
+    main(a.student, a.teacher, a.windows, a.out, load(ReconstructSettings, a.settings))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,125 @@
+"""Block-wise reconstruction: each block's error falls, only scales and gains move, the layout is kept,
+the student it hands on is closer to the teacher, and bad input fails cleanly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nvg.artifacts import read_windows
+from nvg.blockwise import block_trainable, reconstruct_block, relative_error, run_block
+from nvg.cmf import BLR, read_cmf, verify
+from nvg.model import autocast, load_model, rotary_tables
+from nvg.reconstruct_blocks import ReconstructSettings, cli, main
+from nvg.settings import load
+from tests.conftest import fails_cleanly
+
+
+def settings(**kw):
+    return load(ReconstructSettings, **{"steps": 12, "windows": 16, "batch": 4, "lr": 0.02, "device": "cpu", **kw})
+
+
+def test_only_scales_and_norm_gains_are_trained(stage_inputs):
+    model = load_model(stage_inputs / "student.cmf")
+    names = sorted(block_trainable(model.model.layers[0]))
+    assert names and all(n.endswith((".h", ".ell", ".g", "norm.weight")) for n in names)
+    frozen = [n for n, p in model.model.layers[0].named_parameters() if not p.requires_grad]
+    assert any(n.endswith((".su", ".sv")) for n in frozen)
+
+
+def test_a_block_learns_to_reproduce_the_teachers_output(stage_inputs):
+    teacher, student = load_model(stage_inputs / "teacher.cmf"), load_model(stage_inputs / "student.cmf")
+    tokens, _ = read_windows(stage_inputs / "windows.h5")
+    ids = torch.from_numpy(tokens[:16]).long()
+    cos, sin = rotary_tables(student.cfg, ids.shape[1], ids.device)
+    ctx = autocast(torch.device("cpu"), "fp32")
+    with torch.no_grad():
+        x_t, x_s = teacher.embed(ids), student.embed(ids)
+    y = run_block(teacher.model.layers[0], x_t, cos, sin, 4, ctx)
+    block = student.model.layers[0]
+    signs = {n: p.detach().clone() for n, p in block.named_parameters() if n.endswith((".su", ".sv"))}
+    stats = reconstruct_block(block, x_s, y, cos, sin, steps=30, batch=4, lr=0.02, autocast=ctx,
+                              generator=torch.Generator().manual_seed(0))
+    assert stats["kept"] and stats["after"] < 0.8 * stats["before"]
+    assert stats["after"] == pytest.approx(relative_error(block, x_s, y, cos, sin, 4, ctx))
+    for n, p in block.named_parameters():  # the signs are untouched and nothing is left trainable
+        assert not p.requires_grad
+        if n in signs:
+            assert torch.equal(p, signs[n])
+
+
+def test_a_step_that_would_raise_the_error_is_undone(stage_inputs):
+    student = load_model(stage_inputs / "student.cmf")
+    tokens, _ = read_windows(stage_inputs / "windows.h5")
+    ids = torch.from_numpy(tokens[:8]).long()
+    cos, sin = rotary_tables(student.cfg, ids.shape[1], ids.device)
+    ctx = autocast(torch.device("cpu"), "fp32")
+    block = student.model.layers[0]
+    with torch.no_grad():
+        x = student.embed(ids)
+    y = run_block(block, x, cos, sin, 4, ctx) * 1.001  # the block is already within 0.1 % of its target
+    start = {n: p.detach().clone() for n, p in block.named_parameters()}
+    stats = reconstruct_block(block, x, y, cos, sin, steps=5, batch=4, lr=1.0, autocast=ctx,  # steps of 100 %
+                              generator=torch.Generator().manual_seed(0))
+    assert not stats["kept"] and stats["after"] == stats["before"] < 1e-5
+    for n, p in block.named_parameters():
+        assert torch.equal(p, start[n])
+
+
+def test_the_stage_writes_the_student_with_its_layout_and_a_smaller_error(stage_inputs, tmp_path):
+    out = tmp_path / "reconstructed.cmf"
+    main(stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5", out, settings())
+    assert verify(out) == []
+    before, after = read_cmf(stage_inputs / "student.cmf"), read_cmf(out)
+    assert [(t.name, t.dtype, t.shape, len(t.data)) for t in before.tensors.values()] == \
+           [(t.name, t.dtype, t.shape, len(t.data)) for t in after.tensors.values()]
+    assert any(after.tensors[n].data != t.data for n, t in before.tensors.items() if t.dtype == BLR)
+    prov = after.header["provenance"]["nvg_reconstruct"]
+    assert len(prov["blocks"]) == before.arch["num_layers"] and prov["tokens_per_block"] == 12 * 4 * 32
+    assert all(b["after"] <= b["before"] for b in prov["blocks"])
+    _, attrs = read_windows(stage_inputs / "windows.h5")
+    assert prov["windows_hash"] == attrs["tokens_blake2b"] and max(prov["rows"]) < attrs["n_train"]
+    assert json.loads(json.dumps(prov["settings"]))["steps"] == 12
+    # the whole student, on held-out windows it never saw, is closer to the teacher's last hidden state
+    tokens, _ = read_windows(stage_inputs / "windows.h5")
+    ids = torch.from_numpy(tokens[attrs["n_train"]:]).long()
+    with torch.no_grad():
+        want = load_model(stage_inputs / "teacher.cmf").hidden(ids)
+        err = {name: float((load_model(p).hidden(ids) - want).pow(2).mean()) for name, p in
+               (("encoded", stage_inputs / "student.cmf"), ("reconstructed", out))}
+    assert err["reconstructed"] < err["encoded"]
+
+
+def test_the_same_settings_write_the_same_file(stage_inputs, tmp_path):
+    for name in ("a", "b"):
+        main(stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5", tmp_path / f"{name}.cmf",
+             settings(steps=3))
+    assert (tmp_path / "a.cmf").read_bytes() == (tmp_path / "b.cmf").read_bytes()
+
+
+@pytest.mark.parametrize("problem, names, message", [
+    ({"windows": 10_000}, "config reconstruct.windows", "exceeds the"),
+    ({"batch": 32, "windows": 16}, "config reconstruct.batch", "exceeds reconstruct.windows"),
+    ({"lr": 0}, "config reconstruct.lr", "less than or equal to the minimum"),
+])
+def test_bad_settings_fail_cleanly(stage_inputs, tmp_path, capsys, problem, names, message):
+    out = tmp_path / "r.cmf"
+    fails_cleanly(cli, ["--student", stage_inputs / "student.cmf", "--teacher", stage_inputs / "teacher.cmf",
+                        "--windows", stage_inputs / "windows.h5", "--out", out,
+                        "--settings", json.dumps({"steps": 2, "windows": 16, "batch": 4, "device": "cpu", **problem})],
+                  capsys, names, message, [out])
+
+
+def test_a_student_of_another_teacher_fails_cleanly(stage_inputs, tiny_hf, tmp_path, capsys):
+    from nvg.import_teacher import main as import_teacher
+    from tests.conftest import make_tiny_llama
+
+    other = tmp_path / "other.cmf"
+    import_teacher(str(make_tiny_llama(tmp_path / "hf", seed=5)), other, "f16")
+    out = tmp_path / "r.cmf"
+    fails_cleanly(cli, ["--student", stage_inputs / "student.cmf", "--teacher", other, "--windows", stage_inputs / "windows.h5",
+                        "--out", out, "--settings", json.dumps({"steps": 2, "device": "cpu"})],
+                  capsys, "student.cmf", "encoded from teacher", [out])
+
