@@ -9,9 +9,13 @@ would grow if that sign alone flipped. Scaled so that the matrix's median margin
 at 2·hyst: a sign the encoder was nearly indifferent to starts close to the band and flips first, one it
 needed stays far from it. The forward pass uses the bits. The backward pass takes ∂L/∂s straight
 through, with surrogate slope k = 2/τ, as ∂L/∂z.
-As soon as one matrix's gradient is ready (a post-accumulate-grad hook), its latents are updated and
-the gradient is freed. So at most one dense sign gradient exists at a time, never a buffer for the
-whole model. A bit flips only when its latent crosses the hysteresis band: z > hyst gives +1,
+Sign matrices of one shape in `BUCKET_LAYERS` consecutive layers form a bucket, and their latents are
+one stacked tensor. As soon as the last gradient of a bucket is ready (post-accumulate-grad hooks), the
+bucket's latents are updated in one step and its gradients freed: so the sign gradients alive at once are
+those of buckets still waiting, never a buffer for the whole model (at most BUCKET_LAYERS / layers of
+them plus one layer's). One update per matrix, 420 a step on SmolLM2, made the step host-bound: on the
+H200 two profiled steps spent 2.5 s on the host, 1.9 s of it in the hooks, for 0.42 s of GPU time
+(docs/benchmarks.md). A bit flips only when its latent crosses the hysteresis band: z > hyst gives +1,
 z < −hyst gives −1, and in between the bit stays. Latents are clamped to ±clamp.
 
 Optimizers (bytes of state per sign, besides the bit itself):
@@ -43,6 +47,7 @@ from nvg.settings import check
 
 BYTES_PER_SIGN = {"adam": 12, "factored": 6, "plain": 4}
 ROLES = tuple(BODY_ROLES)
+BUCKET_LAYERS = 6  # consecutive layers whose same-shaped sign matrices are updated as one
 
 
 @dataclass
@@ -104,18 +109,20 @@ def margin_magnitudes(margin: torch.Tensor, s: SignSettings) -> torch.Tensor:
 
 def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, eps: float, hyst: float,
                 clamp: float) -> torch.Tensor:
-    """One matrix's sign step, in place: its optimizer state `st` takes the straight-through gradient `g`,
-    the latents move by η times the normalised step, the bits `p` follow the latents across the hysteresis
-    band. `scalars` = (η, 2/τ/gscale, 1 − b1ᵗ, 1 − b2ᵗ). A matrix with a non-finite gradient is left as it is.
+    """One bucket's sign step, in place: `g`, `p` and the optimizer state `st` hold n matrices stacked on
+    dim 0. The state takes the straight-through gradient `g`, the latents move by η times the normalised
+    step, the bits `p` follow the latents across the hysteresis band. `scalars` = (η, 2/τ/gscale,
+    1 − b1ᵗ, 1 − b2ᵗ). A matrix with a non-finite gradient is left as it is, the others move.
     Returns (flips, saturated, clamped, non-finite) as int64 [4].
 
-    No test branches on the host: a host sync per matrix would stall the backward pass. (Compiled with
+    No test branches on the host: a host sync per bucket would stall the backward pass. (Compiled with
     inductor on the H200 it made the step no faster: docs/benchmarks.md.)"""
     eta, slope, bc1, bc2 = scalars[0], scalars[1], scalars[2], scalars[3]
     bad = ~torch.isfinite(g)
-    any_bad = bad.any()
-    w = (~any_bad).to(g.dtype)
-    g = torch.where(any_bad, 0.0, g) * slope  # straight through, surrogate slope 2/τ
+    finite = ~bad.flatten(1).any(1)  # per matrix
+    w = finite.to(g.dtype).view(-1, *[1] * (g.dim() - 1))  # 1 for a matrix that moves, 0 for one left as it is
+    w_rows = w.squeeze(-1)  # for the factored row and column moments, one dimension fewer
+    g = torch.where(w > 0, g, 0.0) * slope  # straight through, surrogate slope 2/τ
     if optimizer == "adam":
         st["m"].lerp_(g, (1 - b1) * w)
         st["v"].mul_(1 - (1 - b2) * w).addcmul_(g, g, value=1 - b2)
@@ -124,12 +131,12 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
         m = st["m"].float().lerp_(g, (1 - b1) * w)
         st["m"].copy_(m)
         g2 = g * g
-        st["v_row"].mul_(1 - (1 - b2) * w).add_(g2.mean(-1), alpha=1 - b2)
-        st["v_col"].mul_(1 - (1 - b2) * w).add_(g2.mean(-2), alpha=1 - b2)
+        st["v_row"].mul_(1 - (1 - b2) * w_rows).add_(g2.mean(-1), alpha=1 - b2)
+        st["v_col"].mul_(1 - (1 - b2) * w_rows).add_(g2.mean(-2), alpha=1 - b2)
         v = st["v_row"].unsqueeze(-1) * st["v_col"].unsqueeze(-2) / st["v_row"].mean(-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)
         u = (m / bc1) / ((v / bc2).sqrt() + eps)
     else:
-        u = g / (g.pow(2).mean().sqrt() + eps)
+        u = g / (g.pow(2).mean(tuple(range(1, g.dim())), keepdim=True).sqrt() + eps)
     z = st["z"]
     step = -eta * w * u
     saturated = ((z.abs() >= clamp) & (step * z > 0)).sum()  # pushing past the clamp: no effect
@@ -142,9 +149,17 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
     return torch.stack([flips, saturated, clamped, bad.sum()])
 
 
+def buckets(keys: dict[str, tuple[int | None, tuple[int, ...]]]) -> list[list[str]]:
+    """Group sign matrices (key → (layer, shape)) into buckets: one shape, `BUCKET_LAYERS` consecutive layers."""
+    groups: dict[tuple, list[str]] = {}
+    for key, (layer, shape) in keys.items():
+        groups.setdefault((shape, -1 if layer is None else layer // BUCKET_LAYERS), []).append(key)
+    return list(groups.values())
+
+
 class SignTrainer:
-    """The latents and optimizer state of every sign matrix, updated from inside the backward pass; a
-    training mode of `nvg.distill.Distiller` (its hooks are documented there)."""
+    """The latents and optimizer state of every sign matrix, updated bucket by bucket from inside the
+    backward pass; a training mode of `nvg.distill.Distiller` (its hooks are documented there)."""
 
     name = "signs"
 
@@ -157,15 +172,22 @@ class SignTrainer:
         self.eta = 0.0  # set before every backward pass by `begin_step`
         self.mats: dict[str, torch.nn.Parameter] = {}
         self.role: dict[str, str] = {}
+        where = {}
         for name, m in model.blr_linears().items():
+            body = parse_body_linear(name)
             for part in ("su", "sv"):
                 key = f"{name}:{part}"
                 # the student keeps its signs in bf16; their straight-through gradients, summed over every
                 # token, need float32 (bf16 ones solve the toy problem of tests/test_sign_training.py worse)
                 getattr(m, part).data = getattr(m, part).data.float()
                 self.mats[key] = getattr(m, part)
-                self.role[key] = parse_body_linear(name)[1] if parse_body_linear(name) else "other"
-        self.latents = {k: self._fresh(p) for k, p in self.mats.items()}
+                self.role[key] = body[1] if body else "other"
+                where[key] = (body[0] if body else None, tuple(self.mats[key].shape))
+        self.buckets = [(keys, self._fresh(torch.stack([self.mats[k].detach() for k in keys]))) for keys in buckets(where)]
+        self.bucket_of = {key: i for i, (keys, _) in enumerate(self.buckets) for key in keys}
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}  # bucket → the gradients that have arrived this step
+        # each matrix's latents and optimizer state: views into its bucket's stacked tensors
+        self.latents = {key: {n: t[keys.index(key)] for n, t in st.items()} for keys, st in self.buckets for key in keys}
         if settings.init == "margin":
             for name, m in model.blr_linears().items():
                 ref = reference(name)
@@ -181,7 +203,7 @@ class SignTrainer:
         self._scalars = torch.zeros(4, device=dev)  # η, the straight-through factor, Adam's bias corrections: begin_step
         for key, p in self.mats.items():
             p.requires_grad_(True)
-            p.register_post_accumulate_grad_hook(lambda p, key=key: self._update(key, p))
+            p.register_post_accumulate_grad_hook(lambda p, key=key: self._arrived(key, p))
 
     def _fresh(self, p: torch.Tensor) -> dict:
         st = {"z": p.detach() * self.s.tau, "orig": p.detach() > 0}
@@ -213,17 +235,30 @@ class SignTrainer:
         self._counts.zero_()
         return self.eta
 
-    @torch.no_grad()
-    def _update(self, key: str, p: torch.nn.Parameter) -> None:
-        g = p.grad
+    def _arrived(self, key: str, p: torch.nn.Parameter) -> None:
+        """A matrix's gradient is ready: keep it, and update its bucket once the bucket's last one is."""
+        i = self.bucket_of[key]
+        grads = self.pending.setdefault(i, {})
+        grads[key] = p.grad
         p.grad = None
+        if len(grads) == len(self.buckets[i][0]):
+            self._update(i, self.pending.pop(i))
+
+    @torch.no_grad()
+    def _update(self, i: int, grads: dict[str, torch.Tensor]) -> None:
+        keys, st = self.buckets[i]
+        g = torch.stack([grads[k] for k in keys])
         if self.group.world > 1:
             g = self.group.sum(g) / self.group.world
-        self._counts += latent_step(self.s.optimizer, g, p, self.latents[key], self._scalars, self.s.b1, self.s.b2,
+        bits = torch.stack([self.mats[k].detach() for k in keys])
+        self._counts += latent_step(self.s.optimizer, g, bits, st, self._scalars, self.s.b1, self.s.b2,
                                     self.s.eps, self.s.hyst, self.s.clamp)
+        torch._foreach_copy_([self.mats[k].data for k in keys], list(bits.unbind(0)))
 
     def end_step(self) -> dict:
         """After the backward pass: this step's counts (one host synchronisation)."""
+        if self.pending:  # every sign matrix takes part in every forward pass, so every bucket completes
+            raise RuntimeError(f"sign training: buckets {sorted(self.pending)} got only part of their gradients this step")
         c = self.counters
         flips, sat, clamped, nonfinite = self._counts.tolist()
         c["sign_steps"] += 1
@@ -304,15 +339,16 @@ class SignTrainer:
         """The resumable state: the bits and every latent's optimizer tensors, and the counters."""
         tensors = {f"bits/{k}": v for k, v in self.snapshot().items()}
         for k, st in self.latents.items():
-            tensors.update({f"{n}/{k}": t.cpu() for n, t in st.items()})
+            tensors.update({f"{n}/{k}": t.to("cpu", copy=True) for n, t in st.items()})  # copies: not views of a bucket
         return tensors, {"counters": dict(self.counters)}
 
+    @torch.no_grad()
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         self.counters = dict(meta["counters"])
         self.restore({k[len("bits/"):]: v for k, v in tensors.items() if k.startswith("bits/")})
         for k, st in self.latents.items():
-            dev = self.mats[k].device
-            self.latents[k] = {n: tensors[f"{n}/{k}"].to(dev) for n in st}
+            for n, t in st.items():
+                t.copy_(tensors[f"{n}/{k}"])
 
     def provenance(self) -> dict:
         st = self.stats()
