@@ -65,7 +65,7 @@ def test_nothing_changed_runs_nothing(finished_run):
     (("train", "targets", "live"), {"train_student", "export", "evaluate", "report"}),
     (("teacher_topk", "k", 6), {"teacher_topk", "dtgma_cut", "reconstruct_blocks", "train_student", "export", "evaluate", "report"}),
     (("encode", "bpw", 1.5), {"budget_reencode", "dtgma_cut", "reconstruct_blocks", "train_student", "export", "evaluate", "report"}),
-    (("reconstruct", "lr", 0.02), {"reconstruct_blocks", "train_student", "export", "evaluate", "report"}),
+    (("reconstruct", "lr", 0.03), {"reconstruct_blocks", "train_student", "export", "evaluate", "report"}),
     (("reconstruct", "steps", 0), {"train_student", "export", "evaluate", "report"}),  # trains the cut student
     (("evaluate", "batch", 4), {"evaluate", "report"}),
     (("data", "sources", "first-weight"), AFTER_DATA),
