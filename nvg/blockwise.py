@@ -47,27 +47,17 @@ def token_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out.float() - y).pow(2).sum(-1) / y.pow(2).sum(-1).clamp_min(1e-30)).mean()
 
 
-@torch.no_grad()
-def relative_error(block, x: torch.Tensor, y: torch.Tensor, cos, sin, batch: int, autocast) -> float:
-    """`token_error` of the block over every row."""
-    total = 0.0
-    for s in range(0, len(x), batch):
-        with autocast:
-            out = block(x[s : s + batch], cos, sin)
-        total += float(token_error(out, y[s : s + batch])) * len(out)
-    return total / len(x)
-
-
 def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, steps: int, batch: int, lr: float,
-                      autocast, generator: torch.Generator) -> dict:
+                      autocast, generator: torch.Generator) -> tuple[dict, torch.Tensor]:
     """Train `block` (in place) for `steps` Adam steps of `batch` rows drawn from `x` → `y` [n, t, d] (float32).
-    Returns the relative error over every row before and after; when training made it worse (it should
-    not), the block's starting values are put back."""
+    Returns the `token_error` over every row before and after, and the block's output on `x` (the next
+    block's input, so that it is computed once); when training made the error worse (it should not), the
+    block's starting values are put back."""
     params = block_trainable(block)
     start = {n: p.detach().clone() for n, p in params.items()}
-    before = relative_error(block, x, y, cos, sin, batch, autocast)
+    before = float(token_error(run_block(block, x, cos, sin, batch, autocast), y))
     opt = torch.optim.Adam(param_groups(params, relative=True), lr=lr, fused=x.is_cuda)
-    losses = []
+    first = last = None
     for step in range(1, steps + 1):
         rows = torch.randint(len(x), (batch,), generator=generator).to(x.device)
         with autocast:
@@ -78,14 +68,16 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
             group["lr"] = lr * lr_shape(step, steps) * group["lr_scale"]
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    after = relative_error(block, x, y, cos, sin, batch, autocast)
+        first, last = first if first is not None else loss.detach(), loss.detach()
+    for p in params.values():
+        p.requires_grad_(False)
+    out = run_block(block, x, cos, sin, batch, autocast)
+    after = float(token_error(out, y))
     kept = after <= before
     if not kept:
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(start[n])
-    for p in params.values():
-        p.requires_grad_(False)
-    return {"before": before, "after": after if kept else before, "kept": kept,
-            "first_loss": float(losses[0]) if losses else None, "last_loss": float(losses[-1]) if losses else None}
+        out = run_block(block, x, cos, sin, batch, autocast)
+    return ({"before": before, "after": after if kept else before, "kept": kept,
+             "first_loss": None if first is None else float(first), "last_loss": None if last is None else float(last)}, out)

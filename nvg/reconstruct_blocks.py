@@ -77,12 +77,12 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
     blocks = []
     for i, (t_block, s_block) in enumerate(zip(t_model.model.layers, s_model.model.layers)):
         y_t = run_block(t_block, x_t, cos, sin, s.batch, ctx)
-        stats = reconstruct_block(s_block, x_s, y_t, cos, sin, steps=s.steps, batch=s.batch, lr=s.lr,
-                                  autocast=ctx, generator=generator)
+        stats, x_s = reconstruct_block(s_block, x_s, y_t, cos, sin, steps=s.steps, batch=s.batch, lr=s.lr,
+                                       autocast=ctx, generator=generator)
+        x_t = y_t
         blocks.append(stats)
         print(f"  block {i}: relative error {stats['before']:.5f} → {stats['after']:.5f}"
               + ("" if stats["kept"] else " (worse: starting values kept)"), file=sys.stderr)
-        x_s, x_t = run_block(s_block, x_s, cos, sin, s.batch, ctx), y_t
     seconds = time.perf_counter() - t0
     write_student(s_cmf, s_model, out, "nvg_reconstruct", {
         "windows_hash": str(attrs["tokens_blake2b"]), "rows": rows.tolist(), "tokens_per_block": s.steps * s.batch * int(ids.shape[1]),

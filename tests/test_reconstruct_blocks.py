@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nvg.artifacts import read_windows
-from nvg.blockwise import block_trainable, reconstruct_block, relative_error, run_block
+from nvg.blockwise import block_trainable, reconstruct_block, run_block, token_error
 from nvg.cmf import BLR, read_cmf, verify
 from nvg.model import autocast, load_model, rotary_tables
 from nvg.reconstruct_blocks import ReconstructSettings, cli, main
@@ -40,10 +40,11 @@ def test_a_block_learns_to_reproduce_the_teachers_output(stage_inputs):
     y = run_block(teacher.model.layers[0], x_t, cos, sin, 4, ctx)
     block = student.model.layers[0]
     signs = {n: p.detach().clone() for n, p in block.named_parameters() if n.endswith((".su", ".sv"))}
-    stats = reconstruct_block(block, x_s, y, cos, sin, steps=30, batch=4, lr=0.02, autocast=ctx,
-                              generator=torch.Generator().manual_seed(0))
+    stats, out = reconstruct_block(block, x_s, y, cos, sin, steps=30, batch=4, lr=0.02, autocast=ctx,
+                                   generator=torch.Generator().manual_seed(0))
     assert stats["kept"] and stats["after"] < 0.8 * stats["before"]
-    assert stats["after"] == pytest.approx(relative_error(block, x_s, y, cos, sin, 4, ctx))
+    assert torch.equal(out, run_block(block, x_s, cos, sin, 4, ctx))  # the next block's input, the trained block's output
+    assert stats["after"] == pytest.approx(float(token_error(out, y)))
     for n, p in block.named_parameters():  # the signs are untouched and nothing is left trainable
         assert not p.requires_grad
         if n in signs:
@@ -59,10 +60,12 @@ def test_a_step_that_would_raise_the_error_is_undone(stage_inputs):
     block = student.model.layers[0]
     with torch.no_grad():
         x = student.embed(ids)
-    y = run_block(block, x, cos, sin, 4, ctx) * 1.001  # the block is already within 0.1 % of its target
+    y0 = run_block(block, x, cos, sin, 4, ctx)
+    y = y0 * 1.001  # the block is already within 0.1 % of its target
     start = {n: p.detach().clone() for n, p in block.named_parameters()}
-    stats = reconstruct_block(block, x, y, cos, sin, steps=5, batch=4, lr=1.0, autocast=ctx,  # steps of 100 %
-                              generator=torch.Generator().manual_seed(0))
+    stats, out = reconstruct_block(block, x, y, cos, sin, steps=5, batch=4, lr=1.0, autocast=ctx,  # steps of 100 %
+                                   generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, y0)  # the output of the restored block
     assert not stats["kept"] and stats["after"] == stats["before"] < 1e-5
     for n, p in block.named_parameters():
         assert torch.equal(p, start[n])
