@@ -21,11 +21,16 @@ import torch
 from nvg.distill import lr_shape, param_groups
 
 
+def is_trained(name: str) -> bool:
+    """Whether reconstruction trains a block's parameter: the h, ℓ, g of a BLR linear or a norm gain."""
+    return name.endswith((".h", ".ell", ".g")) or name.endswith("norm.weight")
+
+
 def block_trainable(block: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The tensors reconstruction trains (everything else in the block frozen): h, ℓ, g and norm gains."""
+    """The tensors reconstruction trains, made trainable (everything else in the block frozen)."""
     params = {}
     for name, p in block.named_parameters():
-        keep = name.endswith((".h", ".ell", ".g")) or name.endswith("norm.weight")
+        keep = is_trained(name)
         p.requires_grad_(keep)
         if keep:
             params[name] = p

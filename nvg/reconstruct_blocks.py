@@ -5,8 +5,12 @@ The algorithm is `nvg/blockwise.py`'s; this driver holds `windows` calibration w
 of the training rows, never the held-out ones) as two residual streams, the teacher's and the student's,
 on the device: for block i the teacher's block gives the target from the teacher's stream, the student's
 block trains on the student's stream, and both streams then move on one block. Memory: three float32
-streams, 12 · windows · window · hidden bytes (256 windows of 1,024 on SmolLM2: 1.8 GB). Minutes on the
-H200, so a killed job starts over rather than resuming.
+streams, 12 · windows · window · hidden bytes (256 windows of 1,024 on SmolLM2: 1.8 GB).
+
+Resume: after each block, the trained tensors of the blocks done and the batch generator's state are
+saved (`nvg/resume.py`, under `state_root`); a rerun puts them back, rebuilds both streams by running the
+finished blocks forward (seconds, not the minutes their training took) and goes on with the next block,
+so a killed job ends with the same bytes as one that was not killed.
 
     python -m nvg.reconstruct_blocks --student S.cmf --teacher T.cmf --windows W.h5 --out R.cmf --settings JSON
 """
@@ -14,6 +18,7 @@ H200, so a killed job starts over rather than resuming.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -24,10 +29,11 @@ import numpy as np
 import torch
 
 from nvg.artifacts import check_encoded_from, read_windows
-from nvg.blockwise import reconstruct_block, run_block
+from nvg.blockwise import is_trained, reconstruct_block, run_block
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.model import autocast, compile_blocks, load_model, pick_device, rotary_tables, write_student
+from nvg.resume import load_state, save_state, state_file
 from nvg.settings import SETTINGS_HELP, load
 
 
@@ -43,6 +49,7 @@ class ReconstructSettings:
     seed: int
     device: str
     precision: str  # (steps 0: the workflow leaves the stage out; run by hand it writes the student unchanged)
+    state_root: str
 
 
 @torch.no_grad()
@@ -53,6 +60,16 @@ def embed_rows(model, ids: torch.Tensor, batch: int, ctx) -> torch.Tensor:
         with ctx:
             out.append(model.embed(ids[s : s + batch]).float())
     return torch.cat(out)
+
+
+def trained_tensors(s_model, blocks: int) -> dict[str, torch.Tensor]:
+    """What reconstruction changed in the first `blocks` blocks, by parameter name."""
+    return {f"{i}.{n}": p for i in range(blocks) for n, p in s_model.model.layers[i].named_parameters() if is_trained(n)}
+
+
+def run_state_file(s: ReconstructSettings, student: Path, teacher: Path, windows: Path) -> Path:
+    """Where the state of this run lives: keyed by its inputs and every setting but where it runs."""
+    return state_file(s.state_root, [student, teacher, windows], {k: v for k, v in asdict(s).items() if k not in ("device", "state_root")})
 
 
 def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructSettings) -> None:
@@ -74,13 +91,27 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
     x_t, x_s = embed_rows(t_model, ids, s.batch, ctx), embed_rows(s_model, ids, s.batch, ctx)
     cos, sin = rotary_tables(s_model.cfg, ids.shape[1], device)
     generator = torch.Generator().manual_seed(s.seed)
+    state_path = run_state_file(s, student, teacher, windows)
     blocks = []
+    if state_path.exists():
+        def restore(tensors, meta):
+            with torch.no_grad():
+                for name, p in trained_tensors(s_model, meta["done"]).items():
+                    p.copy_(tensors[name])
+            generator.set_state(tensors["generator"])
+            return meta["blocks"]
+        blocks = load_state(state_path, "reconstruction", restore)
+        print(f"reconstruct_blocks: resumed {state_path} after block {len(blocks) - 1}", file=sys.stderr)
     for i, (t_block, s_block) in enumerate(zip(t_model.model.layers, s_model.model.layers)):
         y_t = run_block(t_block, x_t, cos, sin, s.batch, ctx)
+        if i < len(blocks):  # reconstructed before a kill: its output is the next block's input again
+            x_s, x_t = run_block(s_block, x_s, cos, sin, s.batch, ctx), y_t
+            continue
         stats, x_s = reconstruct_block(s_block, x_s, y_t, cos, sin, steps=s.steps, batch=s.batch, lr=s.lr,
                                        autocast=ctx, generator=generator)
         x_t = y_t
         blocks.append(stats)
+        save_state(state_path, {**trained_tensors(s_model, i + 1), "generator": generator.get_state()}, {"done": i + 1, "blocks": blocks})
         print(f"  block {i}: relative error {stats['before']:.5f} → {stats['after']:.5f}"
               + ("" if stats["kept"] else " (worse: starting values kept)"), file=sys.stderr)
     seconds = time.perf_counter() - t0
@@ -89,6 +120,7 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
         "blocks": blocks, "settings": asdict(s)})
     print(f"reconstruct_blocks: {len(blocks)} blocks × {s.steps} steps of {s.batch} windows, relative error of the last "
           f"block {blocks[-1]['before']:.4f} → {blocks[-1]['after']:.4f}, {seconds:.1f} s on {device} → {out}", file=sys.stderr)
+    shutil.rmtree(state_path.parent)  # the output holds everything the state did
 
 
 @exits_cleanly

@@ -40,9 +40,9 @@ from nvg.cmf import CmfFile, read_verified
 from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
-from nvg.hash64 import hash64, hex16
 from nvg.layout import ROLE_INPUT, parse_body_linear
 from nvg.model import compile_blocks, load_model, pick_device, write_student
+from nvg.resume import load_state, save_state, state_file
 from nvg.settings import SETTINGS_HELP, check, load
 from nvg.sign_training import SignSettings, SignTrainer
 
@@ -82,11 +82,9 @@ class TrainSettings:
         check(self.targets == "topk" or not self.tail, "train", "tail", "applies to targets: topk only (live targets have the whole vocabulary)")
 
 
-def state_key(inputs: list[Path], settings: TrainSettings) -> str:
-    """Names the state folder: any change of an input file or a result-affecting setting gives a new one."""
-    parts = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
-    s = {k: v for k, v in asdict(settings).items() if k not in ("device", "gpus", "state_root", "stop_after", "recompute_every")}
-    return hex16(hash64(json.dumps([parts, s], sort_keys=True).encode()))
+def state_settings(settings: TrainSettings) -> dict:
+    """The settings that change the result (what names the state folder besides the inputs)."""
+    return {k: v for k, v in asdict(settings).items() if k not in ("device", "gpus", "state_root", "stop_after", "recompute_every")}
 
 
 @dataclass
@@ -112,30 +110,20 @@ class RunState:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "best"}
 
     def save(self, path: Path, d: Distiller, opt: torch.optim.Optimizer) -> None:
-        from safetensors.torch import save_file
-
         adam = opt.state_dict()
         tensors = {f"current/{k}": v for k, v in d.snapshot().items()}
         tensors.update({f"best/{k}": v for k, v in self.best.items()})
-        tensors.update({f"adam/{i}/{k}": v.detach().cpu() for i, st in adam["state"].items() for k, v in st.items()})
+        tensors.update({f"adam/{i}/{k}": v for i, st in adam["state"].items() for k, v in st.items()})
         modes = {}
         for mode in d.modes:
             mode_tensors, modes[mode.name] = mode.state()
             tensors.update({f"mode/{mode.name}/{k}": v for k, v in mode_tensors.items()})
-        meta = {"run": self.counters(), "adam_groups": adam["param_groups"],
-                "adam_state": {str(i): sorted(st) for i, st in adam["state"].items()}, "modes": modes}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"nvg_train_state": json.dumps(meta)})
+        save_state(path, tensors, {"run": self.counters(), "adam_groups": adam["param_groups"],
+                                   "adam_state": {str(i): sorted(st) for i, st in adam["state"].items()}, "modes": modes})
 
     @classmethod
     def load(cls, path: Path, d: Distiller, opt: torch.optim.Optimizer) -> "RunState":
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), "pt") as f:
-                meta = json.loads(f.metadata()["nvg_train_state"])
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        def restore(tensors: dict[str, torch.Tensor], meta: dict) -> "RunState":
             part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
             d.restore(part("current/"))
             opt.load_state_dict({
@@ -144,9 +132,7 @@ class RunState:
             for mode in d.modes:
                 mode.load_state(part(f"mode/{mode.name}/"), meta["modes"][mode.name])
             return cls(best=part("best/"), **meta["run"])
-        except Exception as e:  # a foreign or damaged file, whatever the library raises: never trusted
-            raise NvgError(f"{path}: not a readable training state ({type(e).__name__}: {e}); "
-                           "delete it to start this training over") from None
+        return load_state(path, "training", restore)
 
 
 @dataclass
@@ -233,17 +219,17 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
         d.modes.append(SignTrainer(d.model, s.signs, total, group, reference=sign_reference(grams, t_cmf, d.teacher) if margin else None))
     for mode in d.modes:
         say(mode.describe())
-    state_file = Path(s.state_root) / state_key([student, windows, *topk, *([teacher] if live else []), *([grams] if grams else [])], s) / "state.safetensors"
-    if state_file.exists():
-        st = RunState.load(state_file, d, opt)
-        say(f"train_student: resumed {state_file} at step {st.done} (epoch {st.epoch}, batch {st.pos})")
+    state_path = state_file(s.state_root, [student, windows, *topk, *([teacher] if live else []), *([grams] if grams else [])], state_settings(s))
+    if state_path.exists():
+        st = RunState.load(state_path, d, opt)
+        say(f"train_student: resumed {state_path} at step {st.done} (epoch {st.epoch}, batch {st.pos})")
     else:
         e0 = d.heldout_kl()
         st = RunState(e0=e0, best_kl=e0, best=d.snapshot(), gscale=4096.0 if s.precision == "fp16" else 1.0,
                       evals=[{"step": 0, "heldout_kl": e0}], metrics=[{"step": 0, "heldout_kl": e0}])
     say(f"train_student: {len(d.params)} trainable tensors, {n_batches} batches × {s.epochs} epochs = {total} steps, "
         f"held-out KL before training {st.e0:.5f}, device {device}" + (f" × {group.world} processes" if group.world > 1 else ""))
-    return Run(s, group, d, opt, s_cmf, st, state_file, n_batches, total, say)
+    return Run(s, group, d, opt, s_cmf, st, state_path, n_batches, total, say)
 
 
 def evaluate(run: Run) -> None:

@@ -4,21 +4,24 @@ the student it hands on is closer to the teacher, and bad input fails cleanly.""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
 
+import nvg.reconstruct_blocks
 from nvg.artifacts import read_windows
 from nvg.blockwise import block_trainable, reconstruct_block, run_block, token_error
 from nvg.cmf import BLR, read_cmf, verify
 from nvg.model import autocast, load_model, rotary_tables
-from nvg.reconstruct_blocks import ReconstructSettings, cli, main
+from nvg.reconstruct_blocks import ReconstructSettings, cli, main, run_state_file
 from nvg.settings import load
 from tests.conftest import fails_cleanly
 
 
-def settings(**kw):
-    return load(ReconstructSettings, **{"steps": 12, "windows": 16, "batch": 4, "lr": 0.02, "device": "cpu", **kw})
+def settings(state_root, **kw):
+    return load(ReconstructSettings, **{"steps": 12, "windows": 16, "batch": 4, "lr": 0.02, "device": "cpu",
+                                        "state_root": str(state_root), **kw})
 
 
 def test_only_scales_and_norm_gains_are_trained(stage_inputs):
@@ -73,7 +76,7 @@ def test_a_step_that_would_raise_the_error_is_undone(stage_inputs):
 
 def test_the_stage_writes_the_student_with_its_layout_and_a_smaller_error(stage_inputs, tmp_path):
     out = tmp_path / "reconstructed.cmf"
-    main(stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5", out, settings())
+    main(stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5", out, settings(tmp_path / "state"))
     assert verify(out) == []
     before, after = read_cmf(stage_inputs / "student.cmf"), read_cmf(out)
     assert [(t.name, t.dtype, t.shape, len(t.data)) for t in before.tensors.values()] == \
@@ -98,8 +101,43 @@ def test_the_stage_writes_the_student_with_its_layout_and_a_smaller_error(stage_
 def test_the_same_settings_write_the_same_file(stage_inputs, tmp_path):
     for name in ("a", "b"):
         main(stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5", tmp_path / f"{name}.cmf",
-             settings(steps=3))
+             settings(tmp_path / "state", steps=3))
     assert (tmp_path / "a.cmf").read_bytes() == (tmp_path / "b.cmf").read_bytes()
+
+
+def test_a_killed_run_resumes_at_the_next_block_and_writes_the_same_bytes(stage_inputs, tmp_path, monkeypatch):
+    inputs = (stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5")
+    s = settings(tmp_path / "state", steps=3)
+    main(*inputs, tmp_path / "whole.cmf", s)
+    assert list((tmp_path / "state").iterdir()) == []  # a finished run leaves no state behind
+    trained = []
+
+    def reconstruct_or_die(*a, **kw):  # the job is killed while it trains the second block
+        trained.append(kw["steps"])
+        if len(trained) == 2:
+            raise KeyboardInterrupt
+        return reconstruct_block(*a, **kw)
+    monkeypatch.setattr(nvg.reconstruct_blocks, "reconstruct_block", reconstruct_or_die)
+    with pytest.raises(KeyboardInterrupt):
+        main(*inputs, tmp_path / "resumed.cmf", s)
+    assert not (tmp_path / "resumed.cmf").exists() and len(list((tmp_path / "state").glob("*/state.safetensors"))) == 1
+    trained.clear()
+    monkeypatch.setattr(nvg.reconstruct_blocks, "reconstruct_block", lambda *a, **kw: trained.append(1) or reconstruct_block(*a, **kw))
+    main(*inputs, tmp_path / "resumed.cmf", s)
+    assert len(trained) == read_cmf(inputs[0]).arch["num_layers"] - 1  # block 0 is not trained again
+    assert (tmp_path / "resumed.cmf").read_bytes() == (tmp_path / "whole.cmf").read_bytes()
+    assert list((tmp_path / "state").iterdir()) == []
+
+
+def test_a_damaged_state_fails_cleanly(stage_inputs, tmp_path, capsys):
+    s = settings(tmp_path / "state", steps=2)
+    inputs = [stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5"]
+    state = run_state_file(s, *inputs)
+    state.parent.mkdir(parents=True)
+    state.write_bytes(b"not a state")
+    out = tmp_path / "r.cmf"
+    fails_cleanly(cli, ["--student", inputs[0], "--teacher", inputs[1], "--windows", inputs[2], "--out", out,
+                        "--settings", json.dumps(asdict(s))], capsys, str(state), "not a readable reconstruction state", [out])
 
 
 @pytest.mark.parametrize("problem, names, message", [

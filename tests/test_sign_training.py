@@ -172,7 +172,7 @@ def test_resume_with_signs_is_bit_identical(stage_inputs):
     train(stage_inputs, "signs-resumed", stop_after=5, **kw)
     state = next((stage_inputs / "state-signs-resumed").glob("*/state.safetensors"))
     with safe_open(str(state), "pt") as f:
-        assert json.loads(f.metadata()["nvg_train_state"])["modes"]["signs"]["counters"]["sign_steps"] == 4
+        assert json.loads(f.metadata()["nvg_state"])["modes"]["signs"]["counters"]["sign_steps"] == 4
     assert train(stage_inputs, "signs-resumed", **kw).path.read_bytes() == whole
 
 

@@ -22,7 +22,7 @@ def saved_counters(path) -> dict:
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        return json.loads(f.metadata()["nvg_train_state"])["run"]
+        return json.loads(f.metadata()["nvg_state"])["run"]
 
 
 def test_schedule_warms_up_then_cosines_to_zero():

@@ -1,0 +1,48 @@
+"""Resumable stages' saved state: one safetensors file per run, `<root>/<key>/state.safetensors`, key =
+hash of the run's input files (path, size, mtime) and its result-affecting settings, so that a changed
+input or setting starts over instead of resuming someone else's run. Tensors plus JSON in the metadata,
+written atomically: loading it can run no code, and a killed save leaves the previous state. A stage
+deletes the folder once its outputs are written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import torch
+
+from nvg.atomic import atomic_path
+from nvg.errors import NvgError
+from nvg.hash64 import hash64, hex16
+
+T = TypeVar("T")
+
+
+def state_file(root: str | Path, inputs: list[Path], settings: dict) -> Path:
+    """Where the state of a run on `inputs` with `settings` (only those that change the result) lives."""
+    parts = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
+    return Path(root) / hex16(hash64(json.dumps([parts, settings], sort_keys=True).encode())) / "state.safetensors"
+
+
+def save_state(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Write `tensors` (moved to the CPU) with `meta` as JSON in the metadata."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"nvg_state": json.dumps(meta)})
+
+
+def load_state(path: Path, what: str, restore: Callable[[dict[str, torch.Tensor], dict], T]) -> T:
+    """`restore(tensors, meta)` on what `save_state` wrote; a foreign or damaged file, whether reading it
+    or restoring from it fails, is one clear error naming it as a `what` state."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["nvg_state"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        return restore(tensors, meta)
+    except Exception as e:  # whatever the library or the restore raises: never trusted
+        raise NvgError(f"{path}: not a readable {what} state ({type(e).__name__}: {e}); delete it to start over") from None
