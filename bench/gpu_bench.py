@@ -16,10 +16,9 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
    FLOPs, ×3 for a training step; causal attention counted; recomputation not counted).
 
     python bench/gpu_bench.py --teacher teacher.cmf --out bench.json
-    python bench/gpu_bench.py --step-only --out step.json   # the distillation step alone, SmolLM2-135M's shape
-                                                            # (random weights), nvg's and the dense transformers one
-    python bench/gpu_bench.py --modes --out modes.json      # the step in each training mode of train_student
-                                                            # (SmolLM2-135M's shape, batch 16), beside the dense one
+    python bench/gpu_bench.py --modes --out modes.json      # the distillation step alone, in each training mode of
+                                                            # train_student (SmolLM2-135M's shape, random weights,
+                                                            # --batch 16), beside the dense transformers one
                                                             # (--profile: and where each mode's time goes)
 """
 
@@ -212,40 +211,6 @@ def bench_model(name: str, cfg: ModelConfig, teacher, teacher_batches, step_batc
     return rows
 
 
-def step_only(batches, iters: int, windows: int) -> dict:
-    """The distillation step on SmolLM2-135M's shape (random weights): plain transformers' dense KD step
-    and nvg's BLR step, each the median of timed windows."""
-    torch.manual_seed(0)
-    big = hf_model(SMOLLM2_135M, None)
-    dense = {n: p.detach().float().cpu() for n, p in big.state_dict().items() if n != "lm_head.weight"}
-    rows: dict = {}
-    fpt = flops_per_token(SMOLLM2_135M) + attention_flops(SMOLLM2_135M)
-    hf = big.train()
-    opt = torch.optim.Adam(hf.parameters(), lr=1e-5)
-    data = {}
-    for b in batches:
-        tokens = np.random.default_rng(b).integers(0, SMOLLM2_135M.vocab_size, (b, WINDOW), dtype=np.int64)
-        x = torch.from_numpy(tokens).cuda()
-        logp = torch.log_softmax(torch.randn(b, WINDOW, 64, device="cuda"), -1)
-        ids = torch.randint(0, SMOLLM2_135M.vocab_size, (b, WINDOW, 64), device="cuda")
-        data[b] = (tokens, ids, logp)
-        rows[f"step, batch {b}: transformers (dense)"] = measure(
-            lambda: baseline_step(hf, opt, x, ids, logp.exp()), b * WINDOW, 3 * fpt, iters, windows)
-        print(json.dumps(rows), flush=True)
-    hf = opt = big = None
-    student = compile_blocks(blr_student(SMOLLM2_135M, dense, 1.0).cuda())
-    sfpt = blr_flops_per_token(student) + attention_flops(SMOLLM2_135M)
-    for b in batches:
-        tokens, ids, logp = data[b]
-        targets = Targets(tokens, b, "bench", InMemoryTopk(ids.int().cpu().numpy(), logp.half().cpu().numpy()))
-        d = Distiller(student, targets, torch.device("cuda"), batch=b, precision="bf16", recompute_every=1)
-        opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
-        rows[f"step, batch {b}: nvg BLR 1 bpw"] = measure(
-            lambda: d.step(list(range(b)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), b * WINDOW, 3 * sfpt, iters, windows)
-        print(json.dumps(rows), flush=True)
-    return rows
-
-
 def q2tp_embedding(model):
     """The model's tied embedding (and so its head) in q2tp, its group scales trainable, as load_model
     builds a student whose file has a q2tp embedding."""
@@ -309,18 +274,18 @@ def step_modes(batch: int, iters: int, windows: int, profile: bool = False) -> d
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--teacher", help="the real teacher as a CMF (nvg import-teacher); not needed with --step-only")
+    ap.add_argument("--teacher", help="the real teacher as a CMF (nvg import-teacher); not needed with --modes")
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--windows", type=int, default=3, help="timed windows of --iters calls; the median is reported")
-    ap.add_argument("--step-only", action="store_true", help="only the distillation step, on SmolLM2-135M's shape")
-    ap.add_argument("--modes", action="store_true", help="the step in each training mode, SmolLM2-135M's shape, batch 16")
+    ap.add_argument("--modes", action="store_true", help="only the distillation step, in each training mode, SmolLM2-135M's shape")
+    ap.add_argument("--batch", type=int, default=16, help="with --modes: windows a step")
     ap.add_argument("--profile", action="store_true", help="with --modes: each mode's profile of two steps")
     a = ap.parse_args()
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
            "window": WINDOW, "date": time.strftime("%Y-%m-%d")}
-    if a.step_only or a.modes:
-        out["step"] = step_modes(16, a.iters, a.windows, a.profile) if a.modes else step_only((8, 16), a.iters, a.windows)
+    if a.modes:
+        out["step"] = step_modes(a.batch, a.iters, a.windows, a.profile)
         print(json.dumps(out, indent=1))
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
