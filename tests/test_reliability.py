@@ -200,6 +200,28 @@ def test_every_config_value_out_of_range_or_of_the_wrong_type(key, spec):
     assert config_error(DEFAULT_CONFIG, SCHEMA, ["config.yaml"]) is None
 
 
+def overlaid(base: dict, overlay: dict) -> dict:
+    """Snakemake's --configfile order: each file's keys update the config so far, nested blocks key by key."""
+    out = dict(base)
+    for key, value in overlay.items():
+        out[key] = overlaid(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+@pytest.mark.parametrize("files", [
+    *[("bench/gpu_quality.yaml", *([p.relative_to(REPO).as_posix()] if p.name != "gpu_quality.yaml" else []))
+      for p in sorted(REPO.glob("bench/gpu_quality*.yaml"))],
+    *[("bench/ablation/base.yaml", p.relative_to(REPO).as_posix()) for p in sorted(REPO.glob("bench/ablation/*.yaml"))
+      if p.name != "base.yaml"],
+], ids=lambda files: files[-1])
+def test_every_gpu_recipe_kept_in_bench_is_a_valid_config(files):
+    """A recipe with a misspelt key would cost a device session before Snakemake refused it."""
+    config = DEFAULT_CONFIG
+    for f in files:
+        config = overlaid(config, yaml.safe_load((REPO / f).read_text()))
+    assert config_error(config, SCHEMA, list(files)) is None
+
+
 def test_train_gpus_must_divide_the_batch():
     config = json.loads(json.dumps(DEFAULT_CONFIG))
     config["train"].update(gpus=3, batch=4)
