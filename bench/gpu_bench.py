@@ -17,9 +17,10 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
 
     python bench/gpu_bench.py --teacher teacher.cmf --out bench.json
     python bench/gpu_bench.py --modes --out modes.json      # the distillation step alone, in each training mode of
-                                                            # train_student (SmolLM2-135M's shape, random weights,
-                                                            # --batch 16), beside the dense transformers one
-                                                            # (--profile: and where each mode's time goes)
+                                                            # train_student (random weights), beside the dense
+                                                            # transformers one, with MFU (--profile: and where each
+                                                            # mode's time goes); --shapes SmolLM2-135M
+                                                            # Llama-3.2-1B-shaped --batch 16 8: both shapes
 """
 
 from __future__ import annotations
@@ -229,41 +230,46 @@ def profiled(fn, steps: int = 2) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
 
 
-def step_modes(batch: int, iters: int, windows: int, profile: bool = False) -> dict:
-    """train_student's step in each training mode (docs/training.md) on SmolLM2-135M's shape (random
+def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tflops: float, profile: bool = False) -> dict:
+    """train_student's step in each training mode (docs/training.md) on a model of shape `cfg` (random
     weights, 1 bpw, P = 2), batch × WINDOW tokens, each beside the plain-transformers dense KD step: the
     cached top-64 (`targets: topk`), the live teacher (`targets: live`, full-vocabulary KL), the live teacher
-    with sign training (`signs.enabled`, the README's GPU recipe) and with a q2tp embedding and head."""
+    with sign training (`signs.enabled`, the README's GPU recipe) and with a q2tp embedding and head. MFU:
+    model FLOPs (forward ×3) per second over the bf16 matmul rate measured in the same run."""
     torch.manual_seed(0)
-    big = hf_model(SMOLLM2_135M, None)
+    big = hf_model(cfg, None)
     dense = {n: p.detach().float().cpu() for n, p in big.state_dict().items() if n != "lm_head.weight"}
-    fpt = flops_per_token(SMOLLM2_135M) + attention_flops(SMOLLM2_135M)
-    tokens = np.random.default_rng(batch).integers(0, SMOLLM2_135M.vocab_size, (batch, WINDOW), dtype=np.int64)
+    fpt = flops_per_token(cfg) + attention_flops(cfg)
+    tokens = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, WINDOW), dtype=np.int64)
     x = torch.from_numpy(tokens).cuda()
     logp = torch.log_softmax(torch.randn(batch, WINDOW, 64, device="cuda"), -1)
-    ids = torch.randint(0, SMOLLM2_135M.vocab_size, (batch, WINDOW, 64), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (batch, WINDOW, 64), device="cuda")
     hf = big.train()
     opt = torch.optim.Adam(hf.parameters(), lr=1e-5)
     rows: dict = {"batch": batch, "transformers (dense)": measure(lambda: baseline_step(hf, opt, x, ids, logp.exp()),
                                                                  batch * WINDOW, 3 * fpt, iters, windows)}
     print(json.dumps(rows), flush=True)
     hf = opt = big = None
-    teacher = compile_blocks(build_model(SMOLLM2_135M, dense.get).cuda()).requires_grad_(False)
+    if "TFLOP_s" in rows["transformers (dense)"]:
+        rows["transformers (dense)"]["MFU"] = round(rows["transformers (dense)"]["TFLOP_s"] / matmul_tflops, 3)
+    teacher = compile_blocks(build_model(cfg, dense.get).cuda()).requires_grad_(False)
     topk = Targets(tokens, batch, "bench", InMemoryTopk(ids.int().cpu().numpy(), logp.half().cpu().numpy()))
     live = Targets(tokens, batch, "bench")
     modes = {"topk (scales)": (topk, None, False, False), "live (scales)": (live, teacher, False, False),
              "live + signs": (live, teacher, True, False), "live, q2tp embedding": (live, teacher, False, True)}
     for name, (targets, t, signs, q2tp) in modes.items():
-        student = blr_student(SMOLLM2_135M, dense, 1.0)
+        student = blr_student(cfg, dense, 1.0)
         student = compile_blocks((q2tp_embedding(student) if q2tp else student).cuda())
-        sfpt = blr_flops_per_token(student) + attention_flops(SMOLLM2_135M)
+        sfpt = blr_flops_per_token(student) + attention_flops(cfg)
         d = Distiller(student, targets, torch.device("cuda"), batch=batch, precision="bf16", recompute_every=1, teacher=t)
         if signs:
             d.modes.append(SignTrainer(d.model, load(SignSettings, enabled=True), 1000, Group()))
         opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
         row = measure(lambda: d.step(list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), batch * WINDOW,
                       3 * sfpt, iters, windows)  # the live teacher's forward is not counted in the FLOPs
-        row["vs_dense"] = round(row["tok_s"] / rows["transformers (dense)"]["tok_s"], 2) if "tok_s" in row else None
+        if "tok_s" in row:
+            row["MFU"] = round(row["TFLOP_s"] / matmul_tflops, 3)
+            row["vs_dense"] = round(row["tok_s"] / rows["transformers (dense)"]["tok_s"], 2) if "tok_s" in rows["transformers (dense)"] else None
         if profile:  # where a mode's time goes: the ops with the most GPU time over two steps, and the host's
             row["profile"] = profiled(lambda: d.step(list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0))
         rows[name] = row
@@ -278,21 +284,27 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--windows", type=int, default=3, help="timed windows of --iters calls; the median is reported")
-    ap.add_argument("--modes", action="store_true", help="only the distillation step, in each training mode, SmolLM2-135M's shape")
-    ap.add_argument("--batch", type=int, default=16, help="with --modes: windows a step")
+    ap.add_argument("--modes", action="store_true", help="only the distillation step, in each training mode")
+    ap.add_argument("--shapes", nargs="+", default=["SmolLM2-135M"], choices=["SmolLM2-135M", "Llama-3.2-1B-shaped"],
+                    help="with --modes: the model shapes (random weights)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[16], help="with --modes: windows a step, one per shape")
     ap.add_argument("--profile", action="store_true", help="with --modes: each mode's profile of two steps")
     a = ap.parse_args()
+    if a.modes and len(a.batch) != len(a.shapes):
+        ap.error("--batch takes one value per --shapes")
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
            "window": WINDOW, "date": time.strftime("%Y-%m-%d")}
+    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    out["bf16_matmul_TFLOP_s"] = round(2 * 8192 ** 3 / timed(lambda: m @ m, 10) / 1e12, 1)
+    m = None
     if a.modes:
-        out["step"] = step_modes(a.batch, a.iters, a.windows, a.profile)
+        shapes = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.2-1B-shaped": LLAMA_1B}
+        out["step"] = {name: step_modes(shapes[name], batch, a.iters, a.windows, out["bf16_matmul_TFLOP_s"], a.profile)
+                       for name, batch in zip(a.shapes, a.batch)}
         print(json.dumps(out, indent=1))
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
         return
-    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    out["bf16_matmul_TFLOP_s"] = round(2 * 8192 ** 3 / timed(lambda: m @ m, 10) / 1e12, 1)
-    m = None
     smol = load_model(a.teacher, "cuda")
     out["SmolLM2-135M"] = bench_model("SmolLM2-135M", smol.cfg, smol, (8, 32), (8, 16), a.iters, keep_activations=True)
     del smol
