@@ -1,4 +1,5 @@
-"""Stage `evaluate`: teacher, encoded student and final student, side by side → `eval.json`.
+"""Stage `evaluate`: teacher, encoded student, reconstructed student (when reconstruct_blocks runs) and
+final student, side by side → `eval.json`.
 
 On the held-out windows and on every out-of-domain source in `ood`: perplexity and its ratio to the
 teacher's, KL to the teacher over the full vocabulary (and over its cached top-k, held out), top-1
@@ -6,8 +7,8 @@ agreement with the teacher;
 bits per weight of the body linears and of the whole file counted from the stored bytes; file sizes;
 wall time per stage from the rules' benchmark files.
 
-    python -m nvg.evaluate --teacher T.cmf --encoded E.cmf --final M.cmf --windows W.h5 --topk ... \
-        --out eval.json --settings JSON [--benchmarks benchmarks/*.tsv]
+    python -m nvg.evaluate --teacher T.cmf --encoded E.cmf [--reconstructed R.cmf] --final M.cmf --windows W.h5 \
+        --topk ... --out eval.json --settings JSON [--benchmarks benchmarks/*.tsv]
 """
 
 from __future__ import annotations
@@ -132,14 +133,15 @@ def stage_seconds(paths: list[Path]) -> dict:
 
 
 def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Path], out: Path,
-         settings: EvalSettings, benchmarks: list[Path]) -> None:
-    cmfs = {"teacher": read_verified(teacher), "encoded": read_verified(encoded), "final": read_verified(final)}
+         settings: EvalSettings, benchmarks: list[Path], reconstructed: Path | None = None) -> None:
+    students = {"encoded": encoded, **({"reconstructed": reconstructed} if reconstructed else {}), "final": final}
+    cmfs = {"teacher": read_verified(teacher), **{name: read_verified(path) for name, path in students.items()}}
     vocab = cmfs["teacher"].arch["vocab_size"]
     tokens, attrs = read_windows(windows, vocab)
     n_train = int(attrs["n_train"])
     reader = TopkReader(topk, attrs, len(tokens), vocab)  # checks every shard; only the held-out rows are read
     reader.check_teacher(model_hash(cmfs["teacher"]), f"the teacher {teacher} is")
-    for name in ("encoded", "final"):
+    for name in students:
         check_encoded_from(cmfs[name], cmfs["teacher"])
     trained_on = cmfs["final"].header.get("provenance", {}).get("nvg_train", {}).get("windows_hash")
     if trained_on is not None and trained_on != attrs["tokens_blake2b"]:
@@ -165,7 +167,7 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
     teacher_pass(teacher, sets, settings, device, reader.k)
     t_head = teacher.head_weight
     del teacher
-    for name in ("encoded", "final"):
+    for name in students:
         student = compile_blocks(load_model(cmfs[name], device))
         student_pass(name, student, t_head, sets, settings, device)
         del student
@@ -178,7 +180,7 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
     write_json(out, report)
     h = report["heldout"]
     print(f"evaluate: held-out ppl teacher {h['teacher']['perplexity']:.2f}, encoded {h['encoded']['perplexity']:.2f}, "
-          f"final {h['final']['perplexity']:.2f} ({h['final']['ppl_ratio']:.2f}× the teacher); KL(top-k) encoded "
+          + (f"reconstructed {h['reconstructed']['perplexity']:.2f}, " if reconstructed else "") + f"final {h['final']['perplexity']:.2f} ({h['final']['ppl_ratio']:.2f}× the teacher); KL(top-k) encoded "
           f"{h['encoded']['kl_topk']:.4f} → final {h['final']['kl_topk']:.4f}; body bpw {report['files']['final']['body_bpw']:.4f}",
           file=sys.stderr)
     for source, r in report.get("ood", {}).items():
@@ -190,14 +192,15 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
 @exits_cleanly
 def cli(argv=None):
     ap = argparse.ArgumentParser(prog="nvg evaluate", description=__doc__.splitlines()[0])
-    for name, what in (("teacher", "the teacher CMF"), ("encoded", "the student before training (encoded; cut or reconstructed when those stages run)"), ("final", "the trained student"),
+    for name, what in (("teacher", "the teacher CMF"), ("encoded", "the encoder's student (cut when dtgma_cut runs)"), ("final", "the trained student"),
                        ("windows", "the token windows (their held-out rows are scored)"), ("out", "eval.json")):
         ap.add_argument(f"--{name}", required=True, type=Path, help=what)
+    ap.add_argument("--reconstructed", type=Path, help="the block-wise reconstructed student, when reconstruct_blocks runs")
     ap.add_argument("--topk", required=True, type=Path, nargs="+", help="the teacher's top-k shards (results/teacher/topk.*.h5)")
     ap.add_argument("--benchmarks", type=Path, nargs="*", default=[], help="Snakemake benchmark TSVs: their wall times go into eval.json")
     ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     a = ap.parse_args(argv)
-    main(a.teacher, a.encoded, a.final, a.windows, a.topk, a.out, load(EvalSettings, a.settings), a.benchmarks)
+    main(a.teacher, a.encoded, a.final, a.windows, a.topk, a.out, load(EvalSettings, a.settings), a.benchmarks, a.reconstructed)
 
 
 if __name__ == "__main__":

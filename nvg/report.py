@@ -78,18 +78,22 @@ def scored_sets(report: dict) -> list[tuple[str, dict]]:
     return [("held-out", report["heldout"])] + [(f"OOD {name}", r) for name, r in report.get("ood", {}).items()]
 
 
+def scored_models(report: dict) -> list[str]:
+    """The models eval.json scored, in pipeline order: teacher, encoded, reconstructed (when that stage ran), final."""
+    return [m for m in ("teacher", "encoded", "reconstructed", "final") if m in report["files"]]
+
+
 def perplexity_plot(report: dict) -> str:
     import matplotlib.pyplot as plt
 
-    sets = scored_sets(report)
-    models = ["teacher", "encoded", "final"]
+    sets, models = scored_sets(report), scored_models(report)
     fig, ax = plt.subplots(figsize=(7, 3.4))
     width = 0.8 / len(sets)
     for j, (label, scores) in enumerate(sets):
         vals = [scores[m]["perplexity"] for m in models]
-        bars = ax.bar([i + j * width for i in range(3)], vals, width, label=label)
+        bars = ax.bar([i + j * width for i in range(len(models))], vals, width, label=label)
         ax.bar_label(bars, fmt="%.4g", fontsize=8)
-    ax.set_xticks([i + width * (len(sets) - 1) / 2 for i in range(3)], ["teacher", "encoded (before training)", "final"])
+    ax.set_xticks([i + width * (len(sets) - 1) / 2 for i in range(len(models))], models)
     ax.set_yscale("log")
     ax.set_ylabel("perplexity")
     ax.legend(fontsize=8)
@@ -108,8 +112,8 @@ def context(report: dict, encode: dict, metrics: list[dict], teacher: str) -> di
     """Everything the template shows, as plain values."""
     from importlib.metadata import version
 
-    sets = [{"label": label, "tokens": r["tokens"], "teacher": r["teacher"]["perplexity"],
-             "encoded": r["encoded"]["perplexity"], "final": r["final"]["perplexity"]} for label, r in scored_sets(report)]
+    models = scored_models(report)
+    sets = [{"label": label, "tokens": r["tokens"], **{m: r[m]["perplexity"] for m in models}} for label, r in scored_sets(report)]
     ood = [{"label": s["label"], "ratio": s["final"] / s["teacher"]} for s in sets[1:]]
     heldout_ratio = sets[0]["final"] / sets[0]["teacher"]
     worst = max(ood, key=lambda o: o["ratio"]) if ood else None
@@ -128,7 +132,8 @@ def context(report: dict, encode: dict, metrics: list[dict], teacher: str) -> di
         "verdict": {"word": word, "colour": colour}, "headline": headline, "sets": sets,
         "models": [{"name": m, "perplexity": held[m]["perplexity"], "kl_full": held[m]["kl_full"],
                     "kl_topk": held[m].get("kl_topk", float("nan")), "top1": held[m]["top1_agreement"], **files[m]}
-                   for m in ("teacher", "encoded", "final")],
+                   for m in models],
+        "before_training": models[1:-1],
         "encode_method": encode["settings"].get("method"), "encode_error": encode.get("mean_rel_sel_error") or float("nan"),
         "stages": stages, "stage_total": sum(v for _, v in stages),
         "plots": {"perplexity": perplexity_plot(report), "training": training_plot(metrics),
@@ -150,7 +155,8 @@ def summary_png(ctx: dict, out: Path) -> None:
     ax = fig.add_axes((0.02, 0.02, 0.96, 0.4))
     ax.axis("off")
     # a source by its file name, not its path
-    rows = [[re.sub(r"\S*/", "", s["label"]), f"{s['tokens']:,}", f"{s['teacher']:.2f}", f"{s['encoded']:.4g} ({s['encoded'] / s['teacher']:.1f}×)",
+    start = ctx["before_training"][-1]  # the student training started from
+    rows = [[re.sub(r"\S*/", "", s["label"]), f"{s['tokens']:,}", f"{s['teacher']:.2f}", f"{s[start]:.4g} ({s[start] / s['teacher']:.1f}×)",
              f"{s['final']:.4g} ({s['final'] / s['teacher']:.2f}×)"] for s in ctx["sets"]]
     table = ax.table(cellText=rows, colLabels=["text", "tokens", "teacher ppl", "before training (× teacher)",
                                                 "final student (× teacher)"], loc="upper center", cellLoc="right",

@@ -20,7 +20,7 @@ def evaluated(tiny_stages, tiny_cmf, tiny_corpus, tmp_path_factory):
     settings = {"batch": 4, "ood": [str(tiny_corpus / "chat.jsonl"), str(tiny_corpus / "story.txt")], "ood_tokens": 256,
                 "precision": "fp32"}
     evaluate.cli(["--teacher", str(tiny_cmf), "--encoded", str(tiny_stages / "student.cmf"),
-                  "--final", str(tiny_stages / "student.cmf"), "--windows", str(tiny_stages / "windows.h5"),
+                  "--reconstructed", str(tiny_stages / "student.cmf"), "--final", str(tiny_stages / "student.cmf"), "--windows", str(tiny_stages / "windows.h5"),
                   "--topk", str(tiny_stages / "topk.0.h5"), "--out", str(out), "--settings", json.dumps(settings)])
     return json.loads(out.read_text())
 
@@ -29,9 +29,9 @@ def test_the_teacher_against_itself_and_the_student_against_the_teacher(evaluate
     sets = [evaluated["heldout"], *evaluated["ood"].values()]
     assert len(sets) == 3
     for scores in sets:
-        t, e, f = (scores[m] for m in ("teacher", "encoded", "final"))
+        t, e, r, f = (scores[m] for m in ("teacher", "encoded", "reconstructed", "final"))
         assert abs(t["kl_full"]) < 1e-5 and t["top1_agreement"] == 1.0
-        assert e == f  # the same file under two names scores the same
+        assert e == r == f  # the same file under three names scores the same
         assert e["kl_full"] > 0 and e["perplexity"] != t["perplexity"]
         assert e["ppl_ratio"] == pytest.approx(e["perplexity"] / t["perplexity"]) and t["ppl_ratio"] == 1.0
         assert scores["tokens"] == 256 or scores is evaluated["heldout"]

@@ -16,6 +16,9 @@ def test_report_has_every_plot_and_the_numbers(finished_run):
     assert f"{report['heldout']['final']['perplexity']:.3f}" in page
     assert f"{report['files']['final']['body_bpw']:.4f}" in page
     assert "<h2>Perplexity against the teacher</h2>" in page
+    for model in ("encoded", "reconstructed"):  # both students before training, each with its held-out perplexity
+        assert f"<th>{model} ppl (× teacher)</th>" in page and f"<td>{model}</td>" in page
+        assert f"{report['heldout'][model]['perplexity']:.3f}" in page
     for source, scores in report["ood"].items():  # every out-of-domain set with its ratio to the teacher
         ratio = scores["final"]["perplexity"] / scores["teacher"]["perplexity"]
         assert f"OOD {source}" in page and f"({ratio:.2f}×)" in page
@@ -70,3 +73,4 @@ def test_the_reports_first_screen_is_also_a_png_with_the_verdict(finished_run, t
     assert [row[0] for row in cells] == ["held-out", *(f"OOD {Path(s).name}" for s in scores["ood"])]
     for row, s in zip(cells, [scores["heldout"], *scores["ood"].values()]):
         assert row[-1].endswith(f"({s['final']['ppl_ratio']:.2f}×)") and row[1] == f"{s['tokens']:,}"
+        assert row[3].startswith(f"{s['reconstructed']['perplexity']:.4g} (")  # before training: what training started from

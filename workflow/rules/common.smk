@@ -116,11 +116,19 @@ def encoded_student():
     return "results/student/encoded.cmf"
 
 
+def reconstructed_student():
+    """{"reconstructed": its path} when `reconstruct.steps` > 0, else {}."""
+    return {"reconstructed": "results/student/reconstructed.cmf"} if config["reconstruct"]["steps"] > 0 else {}
+
+
+def reconstructed_args(wildcards, input):
+    """evaluate's option naming `reconstructed_student()`, or nothing."""
+    return f" --reconstructed {shlex.quote(input.reconstructed)}" if "reconstructed" in input.keys() else ""
+
+
 def student_for_training():
     """The block-wise reconstructed student when `reconstruct.steps` > 0, else `encoded_student()`."""
-    if config["reconstruct"]["steps"] > 0:
-        return "results/student/reconstructed.cmf"
-    return encoded_student()
+    return reconstructed_student().get("reconstructed", encoded_student())
 
 
 def gram_model(wildcards):

@@ -1,7 +1,8 @@
 rule evaluate:
     input:
         teacher="results/teacher.cmf",
-        encoded=student_for_training(),
+        encoded=encoded_student(),
+        **reconstructed_student(),
         final="results/model.cmf",
         windows="results/data/windows.h5",
         topk=topk_shards(),
@@ -16,12 +17,13 @@ rule evaluate:
         "benchmarks/evaluate.tsv"
     params:
         settings=settings("evaluate"),
+        reconstructed=reconstructed_args,
     threads: TORCH_THREADS
     resources:
         gpu=1,
         mem_mb=16000,
         runtime=lambda wildcards, attempt: 60 * attempt,
     shell:
-        "python -m nvg.evaluate --teacher {input.teacher} --encoded {input.encoded} --final {input.final} "
+        "python -m nvg.evaluate --teacher {input.teacher} --encoded {input.encoded}{params.reconstructed} --final {input.final} "
         "--windows {input.windows} --topk {input.topk} --out {output.report} --settings {params.settings:q} "
         "--benchmarks $(ls benchmarks/*.tsv 2>/dev/null) > {log} 2>&1"
