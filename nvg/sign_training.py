@@ -9,9 +9,9 @@ would grow if that sign alone flipped. Scaled so that the matrix's median margin
 at 2·hyst: a sign the encoder was nearly indifferent to starts close to the band and flips first, one it
 needed stays far from it. The forward pass uses the bits. The backward pass takes ∂L/∂s straight
 through, with surrogate slope k = 2/τ, as ∂L/∂z.
-Sign matrices of one shape in `BUCKET_LAYERS` consecutive layers form a bucket, and their latents are
-one stacked tensor. As soon as the last gradient of a bucket is ready (post-accumulate-grad hooks), the
-bucket's latents are updated in one step and its gradients freed: so the sign gradients alive at once are
+Sign matrices of one shape in `BUCKET_LAYERS` consecutive layers form a bucket: their latents are one
+stacked tensor, and so are their bits (each matrix a view of them). As soon as the last gradient of a
+bucket is ready (post-accumulate-grad hooks), the bucket's latents are updated in one step and its gradients freed: so the sign gradients alive at once are
 those of buckets still waiting, never a buffer for the whole model (at most BUCKET_LAYERS / layers of
 them plus one layer's). One update per matrix, 420 a step on SmolLM2, made the step host-bound: on the
 H200 two profiled steps spent 2.5 s on the host, 1.9 s of it in the hooks, for 0.42 s of GPU time
@@ -183,11 +183,16 @@ class SignTrainer:
                 self.mats[key] = getattr(m, part)
                 self.role[key] = body[1] if body else "other"
                 where[key] = (body[0] if body else None, tuple(self.mats[key].shape))
-        self.buckets = [(keys, self._fresh(torch.stack([self.mats[k].detach() for k in keys]))) for keys in buckets(where)]
-        self.bucket_of = {key: i for i, (keys, _) in enumerate(self.buckets) for key in keys}
+        self.buckets = []  # (keys, the stacked bits, the stacked latents and optimizer state)
+        for keys in buckets(where):
+            bits = torch.stack([self.mats[k].detach() for k in keys])
+            for j, k in enumerate(keys):  # each matrix becomes a view of its bucket's bits: the update writes them in place
+                self.mats[k].data = bits[j]
+            self.buckets.append((keys, bits, self._fresh(bits)))
+        self.bucket_of = {key: i for i, (keys, _, _) in enumerate(self.buckets) for key in keys}
         self.pending: dict[int, dict[str, torch.Tensor]] = {}  # bucket → the gradients that have arrived this step
         # each matrix's latents and optimizer state: views into its bucket's stacked tensors
-        self.latents = {key: {n: t[keys.index(key)] for n, t in st.items()} for keys, st in self.buckets for key in keys}
+        self.latents = {key: {n: t[keys.index(key)] for n, t in st.items()} for keys, _, st in self.buckets for key in keys}
         if settings.init == "margin":
             for name, m in model.blr_linears().items():
                 ref = reference(name)
@@ -246,14 +251,12 @@ class SignTrainer:
 
     @torch.no_grad()
     def _update(self, i: int, grads: dict[str, torch.Tensor]) -> None:
-        keys, st = self.buckets[i]
+        keys, bits, st = self.buckets[i]
         g = torch.stack([grads[k] for k in keys])
         if self.group.world > 1:
             g = self.group.sum(g) / self.group.world
-        bits = torch.stack([self.mats[k].detach() for k in keys])
         self._counts += latent_step(self.s.optimizer, g, bits, st, self._scalars, self.s.b1, self.s.b2,
                                     self.s.eps, self.s.hyst, self.s.clamp)
-        torch._foreach_copy_([self.mats[k].data for k in keys], list(bits.unbind(0)))
 
     def end_step(self) -> dict:
         """After the backward pass: this step's counts (one host synchronisation)."""
