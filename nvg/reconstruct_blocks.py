@@ -95,6 +95,8 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
     blocks = []
     if state_path.exists():
         def restore(tensors, meta):
+            if not 0 < meta["done"] == len(meta["blocks"]) <= len(s_model.model.layers):  # a kill may come after the last block
+                raise ValueError(f"{meta['done']} blocks done with {len(meta['blocks'])} records, of {len(s_model.model.layers)}")
             with torch.no_grad():
                 for name, p in trained_tensors(s_model, meta["done"]).items():
                     p.copy_(tensors[name])
