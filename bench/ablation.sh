@@ -10,6 +10,9 @@
 # killed training (train_student's saved state) or to reuse what it finished. Snakemake is interrupted after
 # ABLATION_LIMIT_S seconds (default 540), inside the device's 10-minute call limit, so that a variant that
 # does not finish still sends back its logs and metrics (session 10 lost a 0.55 bpw run's log to that limit).
+# PREFIX_TARGETS and RUN_TARGETS replace the default targets, so that one variant can be split between device
+# calls where Snakemake's DAG splits it (e.g. RUN_TARGETS=results/student/reconstructed.cmf in the call that
+# ends the prefix, then the training in the next): no step is trained twice and nothing compiles twice.
 set -euo pipefail
 export PYTHONPATH=/root/site:/root/smk:$PWD PATH=/root/smk/bin:$PATH PYTHONUNBUFFERED=1
 BASE=bench/ablation/base.yaml
@@ -21,7 +24,7 @@ case $1 in
 prefix)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   python -c "import torch, transformers, snakemake; print('torch', torch.__version__, 'transformers', transformers.__version__, 'snakemake', snakemake.__version__)" | tee -a "$OUT/gpu.txt"
-  CUDA_VISIBLE_DEVICES=0 snakemake --cores 16 results/student/encoded.cmf results/teacher/topk.0.h5 \
+  CUDA_VISIBLE_DEVICES=0 snakemake --cores 16 ${PREFIX_TARGETS:-results/student/encoded.cmf results/teacher/topk.0.h5} \
     $TRIGGERS --quiet rules --configfile $BASE 2>&1 | tail -20
   tar czf "$OUT/prefix.tgz" logs benchmarks
   ;;
@@ -32,7 +35,7 @@ run)
     dir=/root/ablation/$name
     [[ -d $dir ]] || { mkdir -p /root/ablation && cp -a "$PWD" "$dir"; }
     ( set +e; cd "$dir"; start=$(date +%s)
-      CUDA_VISIBLE_DEVICES=$gpu timeout --signal=INT --kill-after=20 "${ABLATION_LIMIT_S:-540}" snakemake --cores 8 results/model.cmf results/eval.json $TRIGGERS --quiet rules \
+      CUDA_VISIBLE_DEVICES=$gpu timeout --signal=INT --kill-after=20 "${ABLATION_LIMIT_S:-540}" snakemake --cores 8 ${RUN_TARGETS:-results/model.cmf results/eval.json} $TRIGGERS --quiet rules \
         --configfile $BASE "bench/ablation/$name.yaml" > "$dir/snakemake.log" 2>&1;
       echo "$name: exit $? after $(( $(date +%s) - start )) s" >> "$dir/snakemake.log"
       tar czf "$OUT/$name.tgz" snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl 2>/dev/null || true ) &
