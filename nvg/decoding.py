@@ -1,8 +1,8 @@
 """Batched decoding with a static KV cache: what `generate_corpus` samples the teacher with.
 
 Every step feeds one token per sequence at one shared position, so all shapes stay fixed. On CUDA the
-step (the model, the LM head and the draw) is compiled with inductor in "reduce-overhead" mode:
-captured as a CUDA graph and replayed, so a step costs one launch instead of ~30 layers × a dozen
+step (the model, the LM head and the draw) is compiled with inductor in "reduce-overhead" mode
+(deterministically, see COMPILE_OPTIONS): captured as a CUDA graph and replayed, so a step costs one launch instead of ~30 layers × a dozen
 kernels, which is what bounds small-model decoding. Two more things keep the step short:
   * attention reads the cache only up to the next multiple of `KV_BUCKET` past the position (one graph
     per bucket), not the whole `max_len`: at 1024 tokens that halves the cache traffic on average;
@@ -14,11 +14,21 @@ On the CPU the same code runs eager. Draws use the global RNG: seed it with `tor
 from __future__ import annotations
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 
 from nvg.model import autocast
 
 KV_BUCKET = 256
+
+# "reduce-overhead" is this one option: the step is captured as a CUDA graph. "deterministic" (inductor of
+# torch >= 2.10) skips the on-device benchmarking whose winner can change a reduction's order: a cold
+# compile cache, or another machine, would otherwise round the logits differently, a near-tie would draw
+# another token, and everything after it in that sequence would differ. With it the same seed writes the
+# same corpus (four H200 sessions had written four corpora from one seed).
+COMPILE_OPTIONS = {"triton.cudagraphs": True}
+if hasattr(torch._inductor.config, "deterministic"):
+    COMPILE_OPTIONS["deterministic"] = True
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -62,7 +72,7 @@ class Decoder:
         self.plain = top_k == 0 and top_p >= 1.0  # the whole draw fits in the graph
         self.step = self._step
         if device.type == "cuda":
-            self.step = torch.compile(self._step, mode="reduce-overhead", fullgraph=True)
+            self.step = torch.compile(self._step, fullgraph=True, options=COMPILE_OPTIONS)
 
     def _step(self, ids: torch.Tensor, pos: torch.Tensor, greedy: torch.Tensor, kv_len: int) -> torch.Tensor:
         with autocast(self.device, self.precision):

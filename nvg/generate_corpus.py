@@ -106,10 +106,13 @@ def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None
     torch.manual_seed(s.seed * 100_003 + shard)  # the draws use the global RNG (inside a CUDA graph on the GPU)
     t0 = time.perf_counter()
     tokens = sample_sequences(decoder, firsts, s, f"generate_corpus shard {shard}")
+    digest = content_hash(tokens)
     write_corpus(out, tokens, {"teacher_hash": model_hash(cmf), "shard": shard, "settings": json.dumps(asdict(s)),
-                               "tokens_blake2b": content_hash(tokens)})
+                               "tokens_blake2b": digest})
+    # the digest in the log: two runs with one seed can be compared from their logs alone
     print(f"generate_corpus: shard {shard}/{s.shards}: {len(rows)} sequences × {s.length} tokens, "
-          f"{tokens.size / (time.perf_counter() - t0):.0f} tok/s on {device} → {out}", file=sys.stderr)
+          f"{tokens.size / (time.perf_counter() - t0):.0f} tok/s on {device}, tokens blake2b {digest} → {out}",
+          file=sys.stderr)
 
 
 @exits_cleanly

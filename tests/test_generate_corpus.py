@@ -61,7 +61,7 @@ def corpus(tiny_cmf, tmp_path_factory):
     return d, s
 
 
-def test_shards_hold_llm_qat_sequences(corpus, tiny_cmf):
+def test_shards_hold_llm_qat_sequences(corpus, tiny_cmf, capsys):
     d, s = corpus
     parts = [h5py.File(d / f"generated.{i}.h5", "r")["tokens"][...] for i in range(2)]
     tokens = np.concatenate(parts)
@@ -80,8 +80,11 @@ def test_shards_hold_llm_qat_sequences(corpus, tiny_cmf):
     with h5py.File(d / "generated.1.h5", "r") as f:
         assert json.loads(f.attrs["settings"])["length"] == 40 and int(f.attrs["shard"]) == 1
     again = d / "again.h5"
+    capsys.readouterr()
     generate_corpus.main(tiny_cmf, 1, again, s)  # seeded: the same shard twice is the same text
     assert np.array_equal(h5py.File(again, "r")["tokens"][...], parts[1])
+    with h5py.File(d / "generated.1.h5", "r") as f:  # and the log names its digest, to compare runs by
+        assert f"tokens blake2b {f.attrs['tokens_blake2b']} " in capsys.readouterr().err
 
 
 def test_tokenize_windows_cuts_generated_sequences_into_windows(corpus, tiny_cmf, tiny_corpus, tmp_path, capsys):
