@@ -263,7 +263,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         sfpt = blr_flops_per_token(student) + attention_flops(cfg)
         d = Distiller(student, targets, torch.device("cuda"), batch=batch, precision="bf16", recompute_every=1, teacher=t)
         if signs:
-            d.modes.append(SignTrainer(d.model, load(SignSettings, enabled=True), 1000, Group()))
+            d.modes.append(SignTrainer(d.model.blr_linears(), load(SignSettings, enabled=True), 1000, Group()))
         opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
         row = measure(lambda: d.step(list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), batch * WINDOW,
                       3 * sfpt, iters, windows)  # the live teacher's forward is not counted in the FLOPs

@@ -12,6 +12,10 @@ the residual stream is the error of the few tokens that carry a massive activati
 job's SmolLM2 student, from block 11 on it was 0.04 whatever the other tokens did, and blocks 12–27 then
 trained on nothing). Adam with each tensor's step relative to its starting RMS (as `train.lr_relative`),
 linear warm-up then cosine to zero.
+
+With `reconstruct.signs` the block's sign matrices train too, through `nvg.sign_training`'s
+straight-through latents on the same schedule: the encoder chose each sign for its linear alone under
+the input Gram; here a sign may flip for what the block as a whole outputs, with the errors it is handed.
 """
 
 from __future__ import annotations
@@ -53,29 +57,39 @@ def token_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, steps: int, batch: int, lr: float,
-                      autocast, generator: torch.Generator) -> tuple[dict, torch.Tensor]:
+                      autocast, generator: torch.Generator, signs=None) -> tuple[dict, torch.Tensor]:
     """Train `block` (in place) for `steps` Adam steps of `batch` rows drawn from `x` → `y` [n, t, d] (float32).
+    `signs()`, when given, makes the block's `SignTrainer` (its sign matrices then train too).
     Returns the `token_error` over every row before and after, and the block's output on `x` (the next
     block's input, so that it is computed once); when training made the error worse (it should not), the
-    block's starting values are put back."""
+    block's starting values, signs included, are put back."""
     params = block_trainable(block)
     start = {n: p.detach().clone() for n, p in params.items()}
     before = float(token_error(run_block(block, x, cos, sin, batch, autocast), y))
+    trainer = signs() if signs is not None else None
+    start_bits = trainer.snapshot() if trainer is not None else None
     opt = torch.optim.Adam(param_groups(params, relative=True), lr=lr, fused=x.is_cuda)
     first = last = None
     for step in range(1, steps + 1):
         rows = torch.randint(len(x), (batch,), generator=generator).to(x.device)
+        if trainer is not None:
+            trainer.begin_step(lr_shape(step, steps), 1.0)
         with autocast:
             out = block(x[rows], cos, sin)
         loss = token_error(out, y[rows])
-        loss.backward()
+        loss.backward()  # the sign latents move inside it, bucket by bucket
+        if trainer is not None:
+            trainer.after_step(trainer.end_step())  # the flip-rate guard
         for group in opt.param_groups:
             group["lr"] = lr * lr_shape(step, steps) * group["lr_scale"]
         opt.step()
         opt.zero_grad(set_to_none=True)
         first, last = first if first is not None else loss.detach(), loss.detach()
+    sign_stats = trainer.stats() if trainer is not None else None
     for p in params.values():
         p.requires_grad_(False)
+    if trainer is not None:
+        trainer.release()
     out = run_block(block, x, cos, sin, batch, autocast)
     after = float(token_error(out, y))
     kept = after <= before
@@ -83,6 +97,12 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(start[n])
+            if trainer is not None:
+                trainer.restore(start_bits)
         out = run_block(block, x, cos, sin, batch, autocast)
-    return ({"before": before, "after": after if kept else before, "kept": kept,
-             "first_loss": None if first is None else float(first), "last_loss": None if last is None else float(last)}, out)
+    stats = {"before": before, "after": after if kept else before, "kept": kept,
+             "first_loss": None if first is None else float(first), "last_loss": None if last is None else float(last)}
+    if sign_stats is not None:
+        stats["signs"] = {"flipped_fraction": sign_stats["flipped_fraction"] if kept else 0.0,
+                          "churn": sign_stats["churn"], "eta": trainer.eta0 * trainer.counters["eta_mul"]}
+    return stats, out

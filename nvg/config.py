@@ -1,7 +1,7 @@
 """The pipeline config checked against `workflow/schemas/config.schema.yaml`, reported as one line.
 
 Snakemake's own `validate` prints a multi-line schema dump; users need the file, the key and the
-problem. The Snakefile calls `config_error` first, then `snakemake.utils.validate` to fill in defaults."""
+problem. The workflow calls `config_error` first, then fills in the defaults (`nvg.settings.with_schema_defaults`)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,10 @@ saved (`nvg/resume.py`, under `state_root`); a rerun puts them back, rebuilds bo
 finished blocks forward (seconds, not the minutes their training took) and goes on with the next block,
 so a killed job ends with the same bytes as one that was not killed.
 
-    python -m nvg.reconstruct_blocks --student S.cmf --teacher T.cmf --windows W.h5 --out R.cmf --settings JSON
+With `reconstruct.signs` enabled each block's sign matrices train as well (`nvg/blockwise.py`); `init:
+margin` reads the teacher's input Grams (`--grams`).
+
+    python -m nvg.reconstruct_blocks --student S.cmf --teacher T.cmf --windows W.h5 --out R.cmf --settings JSON [--grams G.h5]
 """
 
 from __future__ import annotations
@@ -31,10 +34,19 @@ import torch
 from nvg.artifacts import check_encoded_from, read_windows
 from nvg.blockwise import is_trained, reconstruct_block, run_block
 from nvg.cmf import read_verified
+from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
 from nvg.model import autocast, compile_blocks, load_model, pick_device, rotary_tables, write_student
 from nvg.resume import load_state, save_state, state_file
 from nvg.settings import SETTINGS_HELP, load
+from nvg.sign_training import SignSettings, SignTrainer, sign_reference
+
+
+@dataclass
+class BlockSignSettings(SignSettings):
+    """Config block `reconstruct.signs`: the keys of `train.signs` (one definition in the schema)."""
+
+    SECTION: ClassVar[str] = "reconstruct.signs"
 
 
 @dataclass
@@ -50,6 +62,7 @@ class ReconstructSettings:
     device: str
     precision: str  # (steps 0: the workflow leaves the stage out; run by hand it writes the student unchanged)
     state_root: str
+    signs: BlockSignSettings
 
 
 @torch.no_grad()
@@ -62,18 +75,32 @@ def embed_rows(model, ids: torch.Tensor, batch: int, ctx) -> torch.Tensor:
     return torch.cat(out)
 
 
-def trained_tensors(s_model, blocks: int) -> dict[str, torch.Tensor]:
-    """What reconstruction changed in the first `blocks` blocks, by parameter name."""
-    return {f"{i}.{n}": p for i in range(blocks) for n, p in s_model.model.layers[i].named_parameters() if is_trained(n)}
+def trained_tensors(s_model, blocks: int, signs: bool) -> dict[str, torch.Tensor]:
+    """What reconstruction changed in the first `blocks` blocks, by parameter name (`signs`: the sign
+    matrices too)."""
+    return {f"{i}.{n}": p for i in range(blocks) for n, p in s_model.model.layers[i].named_parameters()
+            if is_trained(n) or (signs and n.endswith((".su", ".sv")))}
 
 
-def run_state_file(s: ReconstructSettings, student: Path, teacher: Path, windows: Path) -> Path:
+def block_sign_trainer(s_model, layer: int, s: ReconstructSettings, reference):
+    """`reconstruct_block`'s `signs`: a maker of the SignTrainer of block `layer`'s sign matrices, or None."""
+    if not s.signs.enabled:
+        return None
+    prefix = f"model.layers.{layer}."
+    linears = {n: m for n, m in s_model.blr_linears().items() if n.startswith(prefix)}
+    return lambda: SignTrainer(linears, s.signs, s.steps, Group(), reference=reference)
+
+
+def run_state_file(s: ReconstructSettings, student: Path, teacher: Path, windows: Path, grams: Path | None) -> Path:
     """Where the state of this run lives: keyed by its inputs and every setting but where it runs."""
-    return state_file(s.state_root, [student, teacher, windows], {k: v for k, v in asdict(s).items() if k not in ("device", "state_root")})
+    return state_file(s.state_root, [student, teacher, windows, *([grams] if grams else [])],
+                      {k: v for k, v in asdict(s).items() if k not in ("device", "state_root")})
 
 
-def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructSettings) -> None:
+def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructSettings, grams: Path | None = None) -> None:
     t0 = time.perf_counter()
+    if s.signs.margin != (grams is not None):
+        raise NvgError(f"config reconstruct.signs: {'init: margin needs --grams' if s.signs.margin else '--grams is read only by enabled signs with init: margin'}")
     device = pick_device(s.device)
     s_cmf, t_cmf = read_verified(student), read_verified(teacher)
     check_encoded_from(s_cmf, t_cmf)
@@ -91,14 +118,15 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
     x_t, x_s = embed_rows(t_model, ids, s.batch, ctx), embed_rows(s_model, ids, s.batch, ctx)
     cos, sin = rotary_tables(s_model.cfg, ids.shape[1], device)
     generator = torch.Generator().manual_seed(s.seed)
-    state_path = run_state_file(s, student, teacher, windows)
+    reference = sign_reference(grams, t_cmf, t_model) if s.signs.margin else None
+    state_path = run_state_file(s, student, teacher, windows, grams)
     blocks = []
     if state_path.exists():
         def restore(tensors, meta):
             if not 0 < meta["done"] == len(meta["blocks"]) <= len(s_model.model.layers):  # a kill may come after the last block
                 raise ValueError(f"{meta['done']} blocks done with {len(meta['blocks'])} records, of {len(s_model.model.layers)}")
             with torch.no_grad():
-                for name, p in trained_tensors(s_model, meta["done"]).items():
+                for name, p in trained_tensors(s_model, meta["done"], s.signs.enabled).items():
                     p.copy_(tensors[name])
             generator.set_state(tensors["generator"])
             return meta["blocks"]
@@ -110,11 +138,13 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
             x_s, x_t = run_block(s_block, x_s, cos, sin, s.batch, ctx), y_t
             continue
         stats, x_s = reconstruct_block(s_block, x_s, y_t, cos, sin, steps=s.steps, batch=s.batch, lr=s.lr,
-                                       autocast=ctx, generator=generator)
+                                       autocast=ctx, generator=generator, signs=block_sign_trainer(s_model, i, s, reference))
         x_t = y_t
         blocks.append(stats)
-        save_state(state_path, {**trained_tensors(s_model, i + 1), "generator": generator.get_state()}, {"done": i + 1, "blocks": blocks})
+        save_state(state_path, {**trained_tensors(s_model, i + 1, s.signs.enabled), "generator": generator.get_state()},
+                   {"done": i + 1, "blocks": blocks})
         print(f"  block {i}: relative error {stats['before']:.5f} → {stats['after']:.5f}"
+              + (f", {100 * stats['signs']['flipped_fraction']:.2f}% of its signs flipped" if "signs" in stats else "")
               + ("" if stats["kept"] else " (worse: starting values kept)"), file=sys.stderr)
     seconds = time.perf_counter() - t0
     write_student(s_cmf, s_model, out, "nvg_reconstruct", {
@@ -132,9 +162,10 @@ def cli(argv=None):
     ap.add_argument("--teacher", required=True, type=Path, help="the teacher CMF it was encoded from")
     ap.add_argument("--windows", required=True, type=Path, help="the token windows (results/data/windows.h5)")
     ap.add_argument("--out", required=True, type=Path, help="the reconstructed student CMF")
+    ap.add_argument("--grams", type=Path, help="the teacher's input Grams (reconstruct.signs.init: margin)")
     ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     a = ap.parse_args(argv)
-    main(a.student, a.teacher, a.windows, a.out, load(ReconstructSettings, a.settings))
+    main(a.student, a.teacher, a.windows, a.out, load(ReconstructSettings, a.settings), a.grams)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def section_schema(section: str) -> dict:
     root = _schema()
     node = root
     for part in section.split("."):
-        node = node["properties"][part]
+        node = _resolved(node["properties"][part])  # a block may be a shared definition (`signs`)
     return {**node, "definitions": root["definitions"]}
 
 
@@ -55,6 +55,12 @@ def with_defaults(schema: dict, data: dict) -> dict:
         if "properties" in spec and isinstance(out.get(key), dict):
             out[key] = with_defaults(spec, out[key])
     return out
+
+
+def with_schema_defaults(config: dict) -> dict:
+    """The whole pipeline config with every key it leaves out set to the schema's default, through the
+    schema's `$ref`s (which Snakemake's own `validate` does not follow)."""
+    return with_defaults(_schema(), config)
 
 
 def load(cls, values: str | dict | None = None, **overrides):

@@ -38,11 +38,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from nvg.layout import BODY_ROLES, parse_body_linear
+from nvg.artifacts import check_grams, read_grams
+from nvg.cmf import CmfFile
+from nvg.layout import BODY_ROLES, ROLE_INPUT, parse_body_linear
 from nvg.settings import check
 
 BYTES_PER_SIGN = {"adam": 12, "factored": 6, "plain": 4}
@@ -70,8 +73,13 @@ class SignSettings:
     max_total_flip: float
 
     def __post_init__(self):
-        check(self.clamp >= self.tau, "train", "signs.clamp", f"must be >= tau {self.tau}, got {self.clamp}")
-        check(self.hyst < self.tau, "train", "signs.hyst", f"must be in [0, tau {self.tau}), got {self.hyst}")
+        check(self.clamp >= self.tau, self.SECTION, "clamp", f"must be >= tau {self.tau}, got {self.clamp}")
+        check(self.hyst < self.tau, self.SECTION, "hyst", f"must be in [0, tau {self.tau}), got {self.hyst}")
+
+    @property
+    def margin(self) -> bool:
+        """Whether the latents start from the encoder's margins (the teacher's weights and Grams needed)."""
+        return self.enabled and self.init == "margin"
 
     def peak_eta(self, total_steps: int) -> float:
         if self.eta is not None:
@@ -149,6 +157,20 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
     return torch.stack([flips, saturated, clamped, bad.sum()])
 
 
+def sign_reference(grams: Path, teacher_cmf: CmfFile, teacher):
+    """`init: margin`'s reference: the teacher model's weight and the FIT input Gram of each body linear,
+    read one linear at a time, after checking that the Grams are the teacher's."""
+    check_grams(grams, teacher_cmf)
+    weights = dict(teacher.named_parameters())
+
+    def reference(name: str):
+        body = parse_body_linear(name)
+        if body is None:
+            return None
+        return weights[name], torch.from_numpy(read_grams(grams, body[0], ROLE_INPUT[body[1]])[0])
+    return reference
+
+
 def buckets(keys: dict[str, tuple[int | None, tuple[int, ...]]]) -> list[list[str]]:
     """Group sign matrices (key → (layer, shape)) into buckets: one shape, `BUCKET_LAYERS` consecutive layers."""
     groups: dict[tuple, list[str]] = {}
@@ -163,22 +185,25 @@ class SignTrainer:
 
     name = "signs"
 
-    def __init__(self, model, settings: SignSettings, total_steps: int, group, reference=None):
-        """`reference(name)`: the teacher's weight and input Gram of a BLR linear (None where there is no
+    def __init__(self, linears: dict, settings: SignSettings, total_steps: int, group, reference=None):
+        """`linears`: the BLR linears whose signs train, by CMF name (`Llama.blr_linears()`, or one block's).
+        `reference(name)`: the teacher's weight and input Gram of a BLR linear (None where there is no
         Gram, which keeps those latents uniform); needed by `init: margin`."""
         assert settings.init == "uniform" or reference is not None, "init: margin needs the teacher's weights and Grams"
         self.s, self.group = settings, group
         self.eta0 = settings.peak_eta(total_steps)
         self.eta = 0.0  # set before every backward pass by `begin_step`
         self.mats: dict[str, torch.nn.Parameter] = {}
+        self.dtypes: dict[str, torch.dtype] = {}  # each matrix's dtype before training: `release` puts it back
         self.role: dict[str, str] = {}
         where = {}
-        for name, m in model.blr_linears().items():
+        for name, m in linears.items():
             body = parse_body_linear(name)
             for part in ("su", "sv"):
                 key = f"{name}:{part}"
                 # the student keeps its signs in bf16; their straight-through gradients, summed over every
                 # token, need float32 (bf16 ones solve the toy problem of tests/test_sign_training.py worse)
+                self.dtypes[key] = getattr(m, part).dtype
                 getattr(m, part).data = getattr(m, part).data.float()
                 self.mats[key] = getattr(m, part)
                 self.role[key] = body[1] if body else "other"
@@ -194,7 +219,7 @@ class SignTrainer:
         # each matrix's latents and optimizer state: views into its bucket's stacked tensors
         self.latents = {key: {n: t[keys.index(key)] for n, t in st.items()} for keys, _, st in self.buckets for key in keys}
         if settings.init == "margin":
-            for name, m in model.blr_linears().items():
+            for name, m in linears.items():
                 ref = reference(name)
                 if ref is None:
                     continue
@@ -206,9 +231,22 @@ class SignTrainer:
         dev = next(iter(self.mats.values())).device if self.mats else torch.device("cpu")
         self._counts = torch.zeros(4, dtype=torch.int64, device=dev)  # this step's flips, saturated, clamped, non-finite
         self._scalars = torch.zeros(4, device=dev)  # η, the straight-through factor, Adam's bias corrections: begin_step
+        self.hooks = []
         for key, p in self.mats.items():
             p.requires_grad_(True)
-            p.register_post_accumulate_grad_hook(lambda p, key=key: self._arrived(key, p))
+            self.hooks.append(p.register_post_accumulate_grad_hook(lambda p, key=key: self._arrived(key, p)))
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Training is over (reconstruction moves on to the next block): every sign matrix frozen, in its
+        own storage and its dtype from before, the hooks removed, the latents and their state freed.
+        `snapshot` and `restore` still work; nothing else does."""
+        for hook in self.hooks:
+            hook.remove()
+        for key, p in self.mats.items():
+            p.requires_grad_(False)
+            p.data = p.data.to(self.dtypes[key], copy=True)
+        self.hooks, self.buckets, self.latents, self.pending = [], [], {}, {}
 
     def _fresh(self, p: torch.Tensor) -> dict:
         st = {"z": p.detach() * self.s.tau, "orig": p.detach() > 0}

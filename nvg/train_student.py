@@ -34,17 +34,16 @@ from typing import Callable, ClassVar
 import torch
 
 from nvg import distributed
-from nvg.artifacts import check_encoded_from, check_grams, encoded_from, read_grams
+from nvg.artifacts import check_encoded_from, encoded_from
 from nvg.atomic import atomic_path
 from nvg.cmf import CmfFile, read_verified
 from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
-from nvg.layout import ROLE_INPUT, parse_body_linear
 from nvg.model import compile_blocks, load_model, pick_device, write_student
 from nvg.resume import load_state, save_state, state_file
 from nvg.settings import SETTINGS_HELP, check, load
-from nvg.sign_training import SignSettings, SignTrainer
+from nvg.sign_training import SignSettings, SignTrainer, sign_reference
 
 
 @dataclass
@@ -160,20 +159,6 @@ def live_teacher(t_cmf: CmfFile, student: CmfFile, device):
     return model
 
 
-def sign_reference(grams: Path, teacher_cmf: CmfFile, teacher):
-    """`init: margin`'s reference: the live teacher's weight and the FIT input Gram of each body linear,
-    read one linear at a time, after checking that the Grams are the teacher's."""
-    check_grams(grams, teacher_cmf)
-    weights = dict(teacher.named_parameters())
-
-    def reference(name: str):
-        body = parse_body_linear(name)
-        if body is None:
-            return None
-        return weights[name], torch.from_numpy(read_grams(grams, body[0], ROLE_INPUT[body[1]])[0])
-    return reference
-
-
 def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teacher: Path | None = None,
           grams: Path | None = None) -> Run:
     """The student on its device, its targets (the top-k files, or the live `teacher`), the optimizer,
@@ -188,7 +173,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     live = s.targets == "live"
     if live != (teacher is not None) or live == bool(topk):
         raise NvgError(f"config train.targets: {s.targets} needs {'--teacher and no --topk' if live else '--topk files and no --teacher'}")
-    margin = s.signs.enabled and s.signs.init == "margin"
+    margin = s.signs.margin
     if margin != (grams is not None):
         raise NvgError(f"config train.signs: {'init: margin needs --grams' if margin else '--grams is read only by enabled signs with init: margin'}")
     targets = Targets.from_files(windows, topk, s_cmf.arch["vocab_size"])
@@ -216,7 +201,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     multiplier |= dict.fromkeys(code_step, s.group_code_lr)
     opt = torch.optim.Adam(param_groups(d.params, s.lr_relative, multiplier, code_step), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     if s.signs.enabled:
-        d.modes.append(SignTrainer(d.model, s.signs, total, group, reference=sign_reference(grams, t_cmf, d.teacher) if margin else None))
+        d.modes.append(SignTrainer(d.model.blr_linears(), s.signs, total, group, reference=sign_reference(grams, t_cmf, d.teacher) if margin else None))
     for mode in d.modes:
         say(mode.describe())
     state_path = state_file(s.state_root, [student, windows, *topk, *([teacher] if live else []), *([grams] if grams else [])], state_settings(s))

@@ -1,5 +1,6 @@
-"""Block-wise reconstruction: each block's error falls, only scales and gains move, the layout is kept,
-the student it hands on is closer to the teacher, and bad input fails cleanly."""
+"""Block-wise reconstruction: each block's error falls, only scales and gains move (and the signs, when
+`reconstruct.signs` trains them), the layout is kept, the student it hands on is closer to the teacher,
+and bad input fails cleanly."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from nvg.artifacts import read_windows
 from nvg.blockwise import block_trainable, reconstruct_block, run_block, token_error
 from nvg.cmf import BLR, read_cmf, verify
 from nvg.model import autocast, load_model, rotary_tables
-from nvg.reconstruct_blocks import ReconstructSettings, cli, main, run_state_file
+from nvg.reconstruct_blocks import ReconstructSettings, block_sign_trainer, cli, main, run_state_file
 from nvg.settings import load
 from tests.conftest import fails_cleanly
 
@@ -52,6 +53,47 @@ def test_a_block_learns_to_reproduce_the_teachers_output(stage_inputs):
         assert not p.requires_grad
         if n in signs:
             assert torch.equal(p, signs[n])
+
+
+def block_zero(stage_inputs, n=16):
+    """Block 0's inputs and target: the student's stream, the teacher block's output, and the tables."""
+    teacher, student = load_model(stage_inputs / "teacher.cmf"), load_model(stage_inputs / "student.cmf")
+    tokens, _ = read_windows(stage_inputs / "windows.h5")
+    ids = torch.from_numpy(tokens[:n]).long()
+    cos, sin = rotary_tables(student.cfg, ids.shape[1], ids.device)
+    ctx = autocast(torch.device("cpu"), "fp32")
+    with torch.no_grad():
+        x_t, x_s = teacher.embed(ids), student.embed(ids)
+    return teacher, student, x_s, run_block(teacher.model.layers[0], x_t, cos, sin, 4, ctx), cos, sin, ctx
+
+
+def test_with_signs_a_block_flips_some_and_a_block_made_worse_gets_its_signs_back(stage_inputs):
+    """reconstruct.signs: the block's sign matrices train through straight-through latents from the
+    encoder's margins. At η 0.03 some flip and the error falls; at η 0.2 the flips make the block worse
+    than it started, so its starting scales and signs are put back. Either way the signs end frozen ±1 in
+    their own dtype again, with no hook left on them. (On this tiny block the signs buy no measurable error
+    over the scales alone: 0.0439 either way; the real model's gain is a device measurement.)"""
+    from nvg.sign_training import sign_reference
+
+    for eta, kept in ((0.03, True), (0.2, False)):
+        teacher, student, x_s, y, cos, sin, ctx = block_zero(stage_inputs)
+        block = student.model.layers[0]
+        before = {n: p.detach().clone() for n, p in block.named_parameters() if n.endswith((".su", ".sv"))}
+        s = settings("unused", steps=40, signs={"enabled": True, "init": "margin", "eta": eta, "warm": 2, "max_step_flip": 0.5})
+        reference = sign_reference(stage_inputs / "grams.h5", read_cmf(stage_inputs / "teacher.cmf"), teacher)
+        stats, out = reconstruct_block(block, x_s, y, cos, sin, steps=40, batch=4, lr=0.02, autocast=ctx,
+                                       generator=torch.Generator().manual_seed(0), signs=block_sign_trainer(student, 0, s, reference))
+        after = {n: p for n, p in block.named_parameters() if n.endswith((".su", ".sv"))}
+        flipped = sum(int((after[n] != before[n]).sum()) for n in before)
+        assert stats["kept"] == kept and torch.equal(out, run_block(block, x_s, cos, sin, 4, ctx))
+        assert stats["signs"]["flipped_fraction"] == pytest.approx(flipped / sum(p.numel() for p in before.values()))
+        if kept:
+            assert flipped > 0 and stats["after"] < stats["before"]
+        else:
+            assert flipped == 0 and stats["after"] == stats["before"]
+        assert all(not p.requires_grad and p.dtype == before[n].dtype and set(p.unique().tolist()) <= {-1.0, 1.0}
+                   and not p._post_accumulate_grad_hooks for n, p in after.items())
+    assert block_sign_trainer(student, 0, settings("unused"), None) is None  # signs off: scales alone
 
 
 def test_a_step_that_would_raise_the_error_is_undone(stage_inputs):
@@ -129,10 +171,45 @@ def test_a_killed_run_resumes_at_the_next_block_and_writes_the_same_bytes(stage_
     assert list((tmp_path / "state").iterdir()) == []
 
 
+def test_the_stage_with_signs_writes_flipped_signs_and_resumes_to_the_same_bytes(stage_inputs, tmp_path, monkeypatch):
+    """With reconstruct.signs (margins from --grams) the written student's sign bits differ from the encoder's,
+    each block records its flipped fraction, and a run killed in block 1 resumes (signs of block 0 put back)
+    to the bytes of one that was not."""
+    inputs = (stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5")
+    s = settings(tmp_path / "state", steps=6, signs={"enabled": True, "init": "margin", "eta": 0.2, "warm": 1, "max_step_flip": 0.5})
+    main(*inputs, tmp_path / "whole.cmf", s, stage_inputs / "grams.h5")
+    prov = read_cmf(tmp_path / "whole.cmf").header["provenance"]["nvg_reconstruct"]
+    assert all("signs" in b for b in prov["blocks"]) and any(b["signs"]["flipped_fraction"] > 0 for b in prov["blocks"])
+    encoded, whole = load_model(inputs[0]), load_model(tmp_path / "whole.cmf")
+    assert any(not torch.equal(m.su, whole.blr_linears()[n].su) for n, m in encoded.blr_linears().items())
+
+    calls = []
+
+    def reconstruct_or_die(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return reconstruct_block(*a, **kw)
+    monkeypatch.setattr(nvg.reconstruct_blocks, "reconstruct_block", reconstruct_or_die)
+    with pytest.raises(KeyboardInterrupt):
+        main(*inputs, tmp_path / "resumed.cmf", s, stage_inputs / "grams.h5")
+    monkeypatch.setattr(nvg.reconstruct_blocks, "reconstruct_block", reconstruct_block)
+    main(*inputs, tmp_path / "resumed.cmf", s, stage_inputs / "grams.h5")
+    assert (tmp_path / "resumed.cmf").read_bytes() == (tmp_path / "whole.cmf").read_bytes()
+
+
+def test_margin_signs_without_grams_fail_cleanly(stage_inputs, tmp_path, capsys):
+    s = settings(tmp_path / "state", steps=2, signs={"enabled": True, "init": "margin"})
+    inputs = [stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5"]
+    out = tmp_path / "r.cmf"
+    fails_cleanly(cli, ["--student", inputs[0], "--teacher", inputs[1], "--windows", inputs[2], "--out", out,
+                        "--settings", json.dumps(asdict(s))], capsys, "config reconstruct.signs", "init: margin needs --grams", [out])
+
+
 def test_a_damaged_state_fails_cleanly(stage_inputs, tmp_path, capsys):
     s = settings(tmp_path / "state", steps=2)
     inputs = [stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5"]
-    state = run_state_file(s, *inputs)
+    state = run_state_file(s, *inputs, None)
     state.parent.mkdir(parents=True)
     state.write_bytes(b"not a state")
     out = tmp_path / "r.cmf"

@@ -505,7 +505,8 @@ SETTINGS = {"data": "nvg.tokenize_windows.WindowSettings", "generate_corpus": "n
             "grams": "nvg.gram_capture.GramSettings", "encode": "nvg.encoder.EncodeSettings",
             "dtgma": "nvg.dtgma_cut.DtgmaSettings", "reconstruct": "nvg.reconstruct_blocks.ReconstructSettings",
             "train": "nvg.train_student.TrainSettings",
-            "train.signs": "nvg.sign_training.SignSettings", "evaluate": "nvg.evaluate.EvalSettings"}
+            "train.signs": "nvg.sign_training.SignSettings", "reconstruct.signs": "nvg.reconstruct_blocks.BlockSignSettings",
+            "evaluate": "nvg.evaluate.EvalSettings"}
 
 
 @pytest.mark.parametrize("block, cls", SETTINGS.items())
@@ -523,6 +524,8 @@ def test_every_setting_is_a_config_key_with_its_default_from_the_schema(block, c
     node = SCHEMA_DOC
     for part in block.split("."):
         node = node["properties"][part]
+        if "$ref" in node:  # a shared definition (`signs`)
+            node = SCHEMA_DOC["definitions"][node["$ref"].rsplit("/", 1)[1]]
     names = [f.name for f in dataclasses.fields(settings_cls)]
     assert sorted(names) == sorted(node["properties"]), f"{block}: fields and schema keys differ"
     assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

@@ -41,16 +41,6 @@ def test_eta_zero_flips_nothing_and_equals_frozen_sign_training(stage_inputs):
         assert bytes(still.tensors[name].data) == bytes(t.data), name
 
 
-class OneLinear:
-    """The smallest model SignTrainer works on: one BLR linear under a body-linear name."""
-
-    def __init__(self, lin: BlrLinear):
-        self.lin = lin
-
-    def blr_linears(self):
-        return {"model.layers.0.mlp.up_proj.weight": self.lin}
-
-
 def toy(seed=0, d=32, r=16, flip=0.1):
     """A target BLR weight and a student with the same scales whose signs differ in `flip` of the entries."""
     rng = np.random.default_rng(seed)
@@ -70,7 +60,7 @@ def toy_inputs(d: int, seed=1) -> torch.Tensor:
 
 
 def run_toy(student, target, settings: SignSettings, steps: int, seed=1, reference=None):
-    trainer = SignTrainer(OneLinear(student), settings, steps, Group(), reference=reference)
+    trainer = SignTrainer({"model.layers.0.mlp.up_proj.weight": student}, settings, steps, Group(), reference=reference)
     x = toy_inputs(student.g.shape[1], seed)
     with torch.no_grad():
         y = target(x)

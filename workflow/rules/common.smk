@@ -7,17 +7,17 @@ import sys
 import time
 from pathlib import Path
 
-from snakemake.utils import validate
-
 from nvg.config import SCHEMA_PATH, config_error
 from nvg.errors import NvgError
+from nvg.settings import with_schema_defaults
 from nvg.sources import GENERATED, resolve_path
 
-# One line naming the file, the key and the problem, before any job; then Snakemake fills in defaults.
+# One line naming the file, the key and the problem, before any job; then the schema's defaults fill in
+# every key left out.
 if problem := config_error(config, SCHEMA_PATH, workflow.configfiles):
     sys.stderr.write(f"error: {problem}\n")
     sys.exit(2)
-validate(config, schema=str(SCHEMA_PATH))
+config.update(with_schema_defaults(config))
 
 NVG = Path(workflow.basedir) / "nvg"
 STARTED = time.time()
@@ -91,21 +91,30 @@ def topk_shards():
     return expand("results/teacher/topk.{shard}.h5", shard=range(config["teacher_topk"]["shards"]))
 
 
+def margin_grams(block):
+    """{"grams": the teacher's input Grams} when `block`'s sign training (train or reconstruct) starts its
+    latents from the encoder's margins, else {}."""
+    signs = config[block]["signs"]
+    return {"grams": "results/grams/teacher.h5"} if signs["enabled"] and signs["init"] == "margin" else {}
+
+
+def grams_args(wildcards, input):
+    """The option naming `margin_grams()`'s input, or nothing."""
+    return f" --grams {shlex.quote(input.grams)}" if "grams" in input.keys() else ""
+
+
 def training_targets():
     """train_student's targets: the cached top-k shards, or the teacher itself when it runs live (with its
     input Grams when sign training starts its latents from the encoder's margins)."""
     if config["train"]["targets"] == "live":
-        signs = config["train"]["signs"]
-        margin = signs["enabled"] and signs["init"] == "margin"
-        return {"teacher": "results/teacher.cmf", **({"grams": "results/grams/teacher.h5"} if margin else {})}
+        return {"teacher": "results/teacher.cmf", **margin_grams("train")}
     return {"topk": topk_shards()}
 
 
 def targets_args(wildcards, input):
     """The command-line options naming `training_targets()`."""
     if "teacher" in input.keys():
-        grams = f" --grams {shlex.quote(input.grams)}" if "grams" in input.keys() else ""
-        return f"--teacher {shlex.quote(input.teacher)}{grams}"
+        return f"--teacher {shlex.quote(input.teacher)}{grams_args(wildcards, input)}"
     return "--topk " + " ".join(shlex.quote(p) for p in input.topk)
 
 

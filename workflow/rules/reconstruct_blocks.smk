@@ -5,6 +5,7 @@ rule reconstruct_blocks:
         student=encoded_student(),
         teacher="results/teacher.cmf",
         windows="results/data/windows.h5",
+        **margin_grams("reconstruct"),
         code=nvg_sources("reconstruct_blocks"),
     output:
         cmf="results/student/reconstructed.cmf",
@@ -16,6 +17,7 @@ rule reconstruct_blocks:
         "benchmarks/reconstruct_blocks.tsv"
     params:
         settings=settings("reconstruct"),
+        grams=grams_args,
     threads: TORCH_THREADS
     resources:
         gpu=1,
@@ -23,4 +25,4 @@ rule reconstruct_blocks:
         runtime=lambda wildcards, attempt: 60 * attempt,
     shell:
         "python -m nvg.reconstruct_blocks --student {input.student} --teacher {input.teacher} "
-        "--windows {input.windows} --out {output.cmf} --settings {params.settings:q} > {log} 2>&1"
+        "--windows {input.windows}{params.grams} --out {output.cmf} --settings {params.settings:q} > {log} 2>&1"
