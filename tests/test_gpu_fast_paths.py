@@ -191,20 +191,27 @@ def test_gpu_stage_modules_match_the_cpu(tiny_cmf, stage_inputs, tmp_path):
     assert widths[1] < widths[0]
 
 
-def test_reconstruct_blocks_on_cuda_matches_the_cpu(stage_inputs, tmp_path):
-    """Block-wise reconstruction with compiled blocks on CUDA takes the CPU's steps (float32)."""
+@pytest.mark.parametrize("signs", [False, True])
+def test_reconstruct_blocks_on_cuda_matches_the_cpu(stage_inputs, tmp_path, signs):
+    """Block-wise reconstruction with compiled blocks on CUDA takes the CPU's steps (float32), with the
+    signs trained block by block too (their hooks inside the compiled block's backward, then released)."""
     from nvg import reconstruct_blocks
     from nvg.cmf import read_cmf
 
     blocks = {}
+    sign_settings = {"enabled": True, "init": "margin", "eta": 0.03, "warm": 2, "max_step_flip": 0.5} if signs else {}
     for device in ("cpu", "cuda"):
         out = tmp_path / f"reconstructed-{device}.cmf"
         reconstruct_blocks.main(stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5", out,
-                                load(reconstruct_blocks.ReconstructSettings, steps=8, windows=16, batch=4, device=device, precision="fp32"))
+                                load(reconstruct_blocks.ReconstructSettings, steps=8, windows=16, batch=4, device=device, precision="fp32",
+                                     state_root=str(tmp_path / "state"), signs=sign_settings),
+                                stage_inputs / "grams.h5" if signs else None)
         blocks[device] = read_cmf(out).header["provenance"]["nvg_reconstruct"]["blocks"]
     for cpu, gpu in zip(blocks["cpu"], blocks["cuda"]):
         assert gpu["before"] == pytest.approx(cpu["before"], rel=1e-3)
         assert gpu["after"] == pytest.approx(cpu["after"], rel=2e-2) and gpu["after"] < gpu["before"]
+        if signs:  # a near-tie may flip on one device only
+            assert gpu["signs"]["flipped_fraction"] == pytest.approx(cpu["signs"]["flipped_fraction"], rel=0.1, abs=1e-3)
 
 
 def test_sign_training_on_cuda_matches_the_cpu(stage_inputs):
