@@ -99,8 +99,7 @@ def run_state_file(s: ReconstructSettings, student: Path, teacher: Path, windows
 
 def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructSettings, grams: Path | None = None) -> None:
     t0 = time.perf_counter()
-    if s.signs.margin != (grams is not None):
-        raise NvgError(f"config reconstruct.signs: {'init: margin needs --grams' if s.signs.margin else '--grams is read only by enabled signs with init: margin'}")
+    s.signs.check_grams_given(grams)
     device = pick_device(s.device)
     s_cmf, t_cmf = read_verified(student), read_verified(teacher)
     check_encoded_from(s_cmf, t_cmf)

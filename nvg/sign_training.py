@@ -11,8 +11,8 @@ needed stays far from it. The forward pass uses the bits. The backward pass take
 through, with surrogate slope k = 2/τ, as ∂L/∂z.
 Sign matrices of one shape in `BUCKET_LAYERS` consecutive layers form a bucket: their latents are one
 stacked tensor, and so are their bits (each matrix a view of them). As soon as the last gradient of a
-bucket is ready (post-accumulate-grad hooks), the bucket's latents are updated in one step and its gradients freed: so the sign gradients alive at once are
-those of buckets still waiting, never a buffer for the whole model (at most BUCKET_LAYERS / layers of
+bucket is ready (post-accumulate-grad hooks), the bucket's latents are updated in one step and its
+gradients freed: so the sign gradients alive at once are those of buckets still waiting, never a buffer for the whole model (at most BUCKET_LAYERS / layers of
 them plus one layer's). One update per matrix, 420 a step on SmolLM2, made the step host-bound: on the
 H200 two profiled steps spent 2.5 s on the host, 1.9 s of it in the hooks, for 0.42 s of GPU time
 (docs/benchmarks.md). A bit flips only when its latent crosses the hysteresis band: z > hyst gives +1,
@@ -45,6 +45,7 @@ import torch
 
 from nvg.artifacts import check_grams, read_grams
 from nvg.cmf import CmfFile
+from nvg.errors import NvgError
 from nvg.layout import BODY_ROLES, ROLE_INPUT, parse_body_linear
 from nvg.settings import check
 
@@ -80,6 +81,12 @@ class SignSettings:
     def margin(self) -> bool:
         """Whether the latents start from the encoder's margins (the teacher's weights and Grams needed)."""
         return self.enabled and self.init == "margin"
+
+    def check_grams_given(self, grams) -> None:
+        """A stage's `--grams` is given exactly when these settings read it."""
+        if self.margin != (grams is not None):
+            problem = "init: margin needs --grams" if self.margin else "--grams is read only by enabled signs with init: margin"
+            raise NvgError(f"config {self.SECTION}: {problem}")
 
     def peak_eta(self, total_steps: int) -> float:
         if self.eta is not None:

@@ -174,8 +174,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     if live != (teacher is not None) or live == bool(topk):
         raise NvgError(f"config train.targets: {s.targets} needs {'--teacher and no --topk' if live else '--topk files and no --teacher'}")
     margin = s.signs.margin
-    if margin != (grams is not None):
-        raise NvgError(f"config train.signs: {'init: margin needs --grams' if margin else '--grams is read only by enabled signs with init: margin'}")
+    s.signs.check_grams_given(grams)
     targets = Targets.from_files(windows, topk, s_cmf.arch["vocab_size"])
     if targets.topk is not None:
         targets.topk.check_teacher(encoded_from(s_cmf), f"{student} was encoded from teacher")
