@@ -12,8 +12,8 @@ through, with surrogate slope k = 2/τ, as ∂L/∂z.
 Sign matrices of one shape in `BUCKET_LAYERS` consecutive layers form a bucket: their latents are one
 stacked tensor, and so are their bits (each matrix a view of them). As soon as the last gradient of a
 bucket is ready (post-accumulate-grad hooks), the bucket's latents are updated in one step and its
-gradients freed: so the sign gradients alive at once are those of buckets still waiting, never a buffer for the whole model (at most BUCKET_LAYERS / layers of
-them plus one layer's). One update per matrix, 420 a step on SmolLM2, made the step host-bound: on the
+gradients freed: so the sign gradients alive at once are those of buckets still waiting, never a buffer
+for the whole model (at most BUCKET_LAYERS / layers of them plus one layer's). One update per matrix, 420 a step on SmolLM2, made the step host-bound: on the
 H200 two profiled steps spent 2.5 s on the host, 1.9 s of it in the hooks, for 0.42 s of GPU time
 (docs/benchmarks.md). A bit flips only when its latent crosses the hysteresis band: z > hyst gives +1,
 z < −hyst gives −1, and in between the bit stays. Latents are clamped to ±clamp.
