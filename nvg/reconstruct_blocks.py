@@ -33,6 +33,7 @@ import torch
 
 from nvg.artifacts import check_encoded_from, read_windows
 from nvg.blockwise import is_trained, reconstruct_block, run_block
+from nvg.blr import pack_signs, unpack_signs
 from nvg.cmf import read_verified
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
@@ -75,11 +76,23 @@ def embed_rows(model, ids: torch.Tensor, batch: int, ctx) -> torch.Tensor:
     return torch.cat(out)
 
 
+def is_sign(name: str) -> bool:
+    return name.endswith((".su", ".sv"))
+
+
 def trained_tensors(s_model, blocks: int, signs: bool) -> dict[str, torch.Tensor]:
     """What reconstruction changed in the first `blocks` blocks, by parameter name (`signs`: the sign
     matrices too)."""
     return {f"{i}.{n}": p for i in range(blocks) for n, p in s_model.model.layers[i].named_parameters()
-            if is_trained(n) or (signs and n.endswith((".su", ".sv")))}
+            if is_trained(n) or (signs and is_sign(n))}
+
+
+def state_tensors(s_model, blocks: int, signs: bool) -> dict[str, torch.Tensor]:
+    """`trained_tensors` as the resume state holds them: sign matrices packed 8 to a byte (the state is
+    rewritten after every block with every finished block in it; as bf16 the signs alone would make it
+    16× larger)."""
+    return {n: torch.from_numpy(pack_signs(p.detach().float().cpu().numpy())) if is_sign(n) else p
+            for n, p in trained_tensors(s_model, blocks, signs).items()}
 
 
 def block_sign_trainer(s_model, layer: int, s: ReconstructSettings, reference):
@@ -126,7 +139,8 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
                 raise ValueError(f"{meta['done']} blocks done with {len(meta['blocks'])} records, of {len(s_model.model.layers)}")
             with torch.no_grad():
                 for name, p in trained_tensors(s_model, meta["done"], s.signs.enabled).items():
-                    p.copy_(tensors[name])
+                    saved = tensors[name]
+                    p.copy_(torch.from_numpy(unpack_signs(saved.numpy(), p.shape[-1])) if is_sign(name) else saved)
             generator.set_state(tensors["generator"])
             return meta["blocks"]
         blocks = load_state(state_path, "reconstruction", restore)
@@ -140,7 +154,7 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
                                        autocast=ctx, generator=generator, signs=block_sign_trainer(s_model, i, s, reference))
         x_t = y_t
         blocks.append(stats)
-        save_state(state_path, {**trained_tensors(s_model, i + 1, s.signs.enabled), "generator": generator.get_state()},
+        save_state(state_path, {**state_tensors(s_model, i + 1, s.signs.enabled), "generator": generator.get_state()},
                    {"done": i + 1, "blocks": blocks})
         print(f"  block {i}: relative error {stats['before']:.5f} → {stats['after']:.5f}"
               + (f", {100 * stats['signs']['flipped_fraction']:.2f}% of its signs flipped" if "signs" in stats else "")

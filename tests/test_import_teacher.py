@@ -11,7 +11,7 @@ import pytest
 from nvg import import_teacher
 from nvg.cmf import read_cmf, tensor_to_numpy
 from nvg.sources import resolve_path
-from tests.conftest import corrupt, fails_cleanly
+from tests.conftest import REAL_TEACHER, corrupt, fails_cleanly
 
 
 def test_hf_folder_becomes_a_dense_cmf_in_canonical_order(tiny_hf, tiny_cmf, tmp_path):
@@ -32,6 +32,25 @@ def test_hf_folder_becomes_a_dense_cmf_in_canonical_order(tiny_hf, tiny_cmf, tmp
     again = tmp_path / "again.cmf"  # a CMF teacher re-imports to the same tensors
     import_teacher.main(str(tiny_cmf), again, "f16")
     assert [bytes(t.data) for t in read_cmf(again).tensors.values()] == [bytes(t.data) for t in cmf.tensors.values()]
+
+
+def test_a_gguf_teacher_is_parsed_once(tmp_path, monkeypatch):
+    """transformers would parse the real teacher's GGUF five times (config, model config, weights, tokenizer
+    config, tokenizer) and build gguf's tensor-name map once per module; the import builds each once, and
+    gives gguf its functions back afterwards."""
+    import gguf
+
+    calls = {"GGUFReader": [], "get_tensor_name_map": []}
+    for name, calls_of in calls.items():
+        def counting(*args, _build=getattr(gguf, name), _calls=calls_of, **kwargs):
+            _calls.append(args)
+            return _build(*args, **kwargs)
+        monkeypatch.setattr(gguf, name, counting)
+    counted = {name: getattr(gguf, name) for name in calls}
+    src = import_teacher.load_gguf(resolve_path(REAL_TEACHER))
+    assert [len(c) for c in calls.values()] == [1, 1], {n: len(c) for n, c in calls.items()}
+    assert {name: getattr(gguf, name) for name in calls} == counted
+    assert src.arch["num_layers"] == 30 and len(src.tensors) == 273 and b"<|im_start|>" in src.tokenizer_json
 
 
 @pytest.mark.parametrize("how, problem", [("truncated", "truncated or corrupt"), ("magic", "GGUF magic invalid")])

@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import nvg.reconstruct_blocks
 from nvg.artifacts import read_windows
@@ -173,8 +174,8 @@ def test_a_killed_run_resumes_at_the_next_block_and_writes_the_same_bytes(stage_
 
 def test_the_stage_with_signs_writes_flipped_signs_and_resumes_to_the_same_bytes(stage_inputs, tmp_path, monkeypatch):
     """With reconstruct.signs (margins from --grams) the written student's sign bits differ from the encoder's,
-    each block records its flipped fraction, and a run killed in block 1 resumes (signs of block 0 put back)
-    to the bytes of one that was not."""
+    each block records its flipped fraction, and a run killed in block 1 resumes (block 0's signs put back from
+    the state's bits) to the bytes of one that was not."""
     inputs = (stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5")
     s = settings(tmp_path / "state", steps=6, signs={"enabled": True, "init": "margin", "eta": 0.2, "warm": 1, "max_step_flip": 0.5})
     main(*inputs, tmp_path / "whole.cmf", s, stage_inputs / "grams.h5")
@@ -193,6 +194,11 @@ def test_the_stage_with_signs_writes_flipped_signs_and_resumes_to_the_same_bytes
     monkeypatch.setattr(nvg.reconstruct_blocks, "reconstruct_block", reconstruct_or_die)
     with pytest.raises(KeyboardInterrupt):
         main(*inputs, tmp_path / "resumed.cmf", s, stage_inputs / "grams.h5")
+    with safe_open(str(run_state_file(s, *inputs, stage_inputs / "grams.h5")), "pt") as f:  # block 0's signs, as bits
+        signs = {k: f.get_tensor(k) for k in f.keys() if k.endswith((".su", ".sv"))}
+    su = encoded.blr_linears()["model.layers.0.self_attn.q_proj.weight"].su
+    assert signs and all(v.dtype == torch.uint8 for v in signs.values())
+    assert signs["0.self_attn.q_proj.su"].shape == (*su.shape[:-1], (su.shape[-1] + 7) // 8)
     monkeypatch.setattr(nvg.reconstruct_blocks, "reconstruct_block", reconstruct_block)
     main(*inputs, tmp_path / "resumed.cmf", s, stage_inputs / "grams.h5")
     assert (tmp_path / "resumed.cmf").read_bytes() == (tmp_path / "whole.cmf").read_bytes()
