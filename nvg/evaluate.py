@@ -2,13 +2,14 @@
 final student, side by side → `eval.json`.
 
 On the held-out windows and on every out-of-domain source in `ood`: perplexity and its ratio to the
-teacher's, KL to the teacher over the full vocabulary (and over its cached top-k, held out), top-1
-agreement with the teacher;
+teacher's, KL to the teacher over the full vocabulary and over its top-k (what top-k distillation
+matches; the teacher's top-k taken here, so that a run training against the live teacher needs no
+teacher_topk stage), the teacher's probability mass outside that top-k, top-1 agreement with the teacher;
 bits per weight of the body linears and of the whole file counted from the stored bytes; file sizes;
 wall time per stage from the rules' benchmark files.
 
     python -m nvg.evaluate --teacher T.cmf --encoded E.cmf [--reconstructed R.cmf] --final M.cmf --windows W.h5 \
-        --topk ... --out eval.json --settings JSON [--benchmarks benchmarks/*.tsv]
+        --k 64 --out eval.json --settings JSON [--benchmarks benchmarks/*.tsv]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import TopkReader, check_encoded_from, model_hash, read_windows
+from nvg.artifacts import check_encoded_from, read_windows
 from nvg.atomic import write_json
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
@@ -50,32 +51,25 @@ class EvalSettings:
 
 @dataclass
 class ScoredSet:
-    """One text to score: its windows, the teacher's cached top-k for them (held out only), and what the
-    teacher pass leaves for the students: its final hidden states per batch and its sums."""
+    """One text to score: its windows, and what the teacher pass leaves for the students: per batch its
+    final hidden states and its top-k (ids and log-probs), and its sums."""
 
     label: str
     windows: np.ndarray
-    t_ids: np.ndarray | None = None
-    t_logp: np.ndarray | None = None
     t_hidden: list = field(default_factory=list)
+    t_topk: list = field(default_factory=list)
     sums: dict = field(default_factory=dict)  # model → {nll, kl_full, kl_topk, agree}
     tail: float = 0.0
 
     def batches(self, batch: int):
         return bar(math.ceil(len(self.windows) / batch), f"evaluate {self.label}", "batch", range(0, len(self.windows), batch))
 
-    def kl_to_topk(self, h, head, s: int, n: int, device) -> float:
-        """Σ KL to the cached top-k over windows s…s+n (0 for a set without one)."""
-        if self.t_ids is None:
-            return 0.0
-        return float(topk_kl(h, head, torch.from_numpy(self.t_ids[s : s + n]).to(device), torch.from_numpy(self.t_logp[s : s + n]).to(device)))
-
 
 @torch.no_grad()
 def teacher_pass(teacher, sets: list[ScoredSet], settings: EvalSettings, device, k: int) -> None:
     """The teacher on every set: its own scores, its probability mass outside its top-k (what top-k
-    distillation never shows the student), and its final hidden states, kept for the students (a
-    fraction of the model's size) so that the teacher can leave memory before any student is loaded."""
+    distillation never shows the student), and its final hidden states and top-k, kept for the students
+    (a fraction of the model's size) so that the teacher can leave memory before any student is loaded."""
     for st in sets:
         acc = st.sums["teacher"] = {"nll": 0.0, "kl_full": 0.0, "kl_topk": 0.0, "agree": 0}
         for s in st.batches(settings.batch):
@@ -84,9 +78,11 @@ def teacher_pass(teacher, sets: list[ScoredSet], settings: EvalSettings, device,
                 h = teacher.hidden(ids)
                 acc["nll"] += float(next_token_nll(h[:, :-1], teacher.head_weight, ids[:, 1:]))
                 acc["agree"] += ids.numel()  # against itself: KL 0 and full agreement by definition
-                acc["kl_topk"] += st.kl_to_topk(h, teacher.head_weight, s, len(ids), device)
-                st.tail += float((1 - topk_logprobs(h, teacher.head_weight, k)[1].exp().sum(-1)).clamp_min(0).sum())
+                top = topk_logprobs(h, teacher.head_weight, k)
+                acc["kl_topk"] += float(topk_kl(h, teacher.head_weight, *top))
+                st.tail += float((1 - top[1].exp().sum(-1)).clamp_min(0).sum())
             st.t_hidden.append(h)
+            st.t_topk.append(top)
 
 
 @torch.no_grad()
@@ -102,18 +98,16 @@ def student_pass(name: str, student, t_head, sets: list[ScoredSet], settings: Ev
                 acc["nll"] += float(nll)
                 acc["kl_full"] += float(kl)
                 acc["agree"] += agree
-                acc["kl_topk"] += st.kl_to_topk(h, student.head_weight, s, len(ids), device)
+                acc["kl_topk"] += float(topk_kl(h, student.head_weight, *st.t_topk[j]))
 
 
 def summary(st: ScoredSet, k: int) -> dict:
-    """Per model: perplexity and its ratio to the teacher's, full KL, top-k KL (held out), top-1 agreement."""
+    """Per model: perplexity and its ratio to the teacher's, full KL, top-k KL, top-1 agreement."""
     n_tok, n_pred = st.windows.size, st.windows[:, 1:].size
     out = {}
     for name, a in st.sums.items():
         out[name] = {"perplexity": math.exp(a["nll"] / n_pred), "kl_full": a["kl_full"] / n_tok,
-                     "top1_agreement": a["agree"] / n_tok}
-        if st.t_ids is not None:
-            out[name]["kl_topk"] = a["kl_topk"] / n_tok
+                     "kl_topk": a["kl_topk"] / n_tok, "top1_agreement": a["agree"] / n_tok}
     for name in st.sums:  # how far from the teacher, the number a user reads first
         out[name]["ppl_ratio"] = out[name]["perplexity"] / out["teacher"]["perplexity"]
     out["tokens"] = n_tok
@@ -132,25 +126,23 @@ def stage_seconds(paths: list[Path]) -> dict:
     return out
 
 
-def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Path], out: Path,
+def main(teacher: Path, encoded: Path, final: Path, windows: Path, k: int, out: Path,
          settings: EvalSettings, benchmarks: list[Path], reconstructed: Path | None = None) -> None:
     students = {"encoded": encoded, **({"reconstructed": reconstructed} if reconstructed else {}), "final": final}
     cmfs = {"teacher": read_verified(teacher), **{name: read_verified(path) for name, path in students.items()}}
     vocab = cmfs["teacher"].arch["vocab_size"]
     tokens, attrs = read_windows(windows, vocab)
+    if not 0 < k <= vocab:
+        raise NvgError(f"--k {k}: the top-k must be between 1 and the teacher's vocabulary size {vocab}")
     n_train = int(attrs["n_train"])
-    reader = TopkReader(topk, attrs, len(tokens), vocab)  # checks every shard; only the held-out rows are read
-    reader.check_teacher(model_hash(cmfs["teacher"]), f"the teacher {teacher} is")
     for name in students:
         check_encoded_from(cmfs[name], cmfs["teacher"])
     trained_on = cmfs["final"].header.get("provenance", {}).get("nvg_train", {}).get("windows_hash")
     if trained_on is not None and trained_on != attrs["tokens_blake2b"]:
         raise NvgError(f"{final}: trained on windows {trained_on}, not on {windows}'s ({attrs['tokens_blake2b']}): "
                        "its held-out rows may be ones it trained on")
-    t_ids, t_logp = reader.read(np.arange(n_train, len(tokens)))
-    reader.close()
     device = pick_device(settings.device)
-    sets = [ScoredSet("held-out", tokens[n_train:], t_ids, t_logp)]
+    sets = [ScoredSet("held-out", tokens[n_train:])]
     if settings.ood:
         from tokenizers import Tokenizer
 
@@ -164,16 +156,16 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, topk: list[Pa
             sets.append(ScoredSet(source, ood))
     # one model in memory at a time: the teacher, then each student against its cached hidden states
     teacher = compile_blocks(load_model(cmfs["teacher"], device))
-    teacher_pass(teacher, sets, settings, device, reader.k)
+    teacher_pass(teacher, sets, settings, device, k)
     t_head = teacher.head_weight
     del teacher
     for name in students:
         student = compile_blocks(load_model(cmfs[name], device))
         student_pass(name, student, t_head, sets, settings, device)
         del student
-    report = {"heldout": summary(sets[0], reader.k)}
+    report = {"heldout": summary(sets[0], k)}
     if settings.ood:
-        report["ood"] = {st.label: summary(st, reader.k) for st in sets[1:]}
+        report["ood"] = {st.label: summary(st, k) for st in sets[1:]}
     report["files"] = {n: {"path": str(c.path), "bytes": c.path.stat().st_size, **bits_summary(c)} for n, c in cmfs.items()}
     report["training_tokens"] = cmfs["final"].header.get("provenance", {}).get("nvg_train", {}).get("tokens")
     report["stage_seconds"] = stage_seconds(benchmarks)
@@ -196,11 +188,11 @@ def cli(argv=None):
                        ("windows", "the token windows (their held-out rows are scored)"), ("out", "eval.json")):
         ap.add_argument(f"--{name}", required=True, type=Path, help=what)
     ap.add_argument("--reconstructed", type=Path, help="the block-wise reconstructed student, when reconstruct_blocks runs")
-    ap.add_argument("--topk", required=True, type=Path, nargs="+", help="the teacher's top-k shards (results/teacher/topk.*.h5)")
+    ap.add_argument("--k", required=True, type=int, help="the top-k of the top-k KL and of the teacher's mass outside it (config teacher_topk.k)")
     ap.add_argument("--benchmarks", type=Path, nargs="*", default=[], help="Snakemake benchmark TSVs: their wall times go into eval.json")
     ap.add_argument("--settings", required=True, help=SETTINGS_HELP)
     a = ap.parse_args(argv)
-    main(a.teacher, a.encoded, a.final, a.windows, a.topk, a.out, load(EvalSettings, a.settings), a.benchmarks, a.reconstructed)
+    main(a.teacher, a.encoded, a.final, a.windows, a.k, a.out, load(EvalSettings, a.settings), a.benchmarks, a.reconstructed)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def evaluated(tiny_stages, tiny_cmf, tiny_corpus, tmp_path_factory):
                 "precision": "fp32"}
     evaluate.cli(["--teacher", str(tiny_cmf), "--encoded", str(tiny_stages / "student.cmf"),
                   "--reconstructed", str(tiny_stages / "student.cmf"), "--final", str(tiny_stages / "student.cmf"), "--windows", str(tiny_stages / "windows.h5"),
-                  "--topk", str(tiny_stages / "topk.0.h5"), "--out", str(out), "--settings", json.dumps(settings)])
+                  "--k", "8", "--out", str(out), "--settings", json.dumps(settings)])
     return json.loads(out.read_text())
 
 
@@ -35,11 +35,29 @@ def test_the_teacher_against_itself_and_the_student_against_the_teacher(evaluate
         assert e["kl_full"] > 0 and e["perplexity"] != t["perplexity"]
         assert e["ppl_ratio"] == pytest.approx(e["perplexity"] / t["perplexity"]) and t["ppl_ratio"] == 1.0
         assert scores["tokens"] == 256 or scores is evaluated["heldout"]
-    assert evaluated["heldout"]["teacher"]["kl_topk"] < evaluated["heldout"]["encoded"]["kl_topk"]
     assert evaluated["heldout"]["tokens"] == 8 * 32
-    for scores in sets:  # the teacher's mass beyond the cached top-8, which top-k distillation never shows
+    for scores in sets:  # the teacher's mass beyond its top-8, which top-k distillation never shows
+        assert scores["teacher"]["kl_topk"] < scores["encoded"]["kl_topk"]
         assert scores["teacher_mass_outside_topk"]["k"] == 8 and 0 < scores["teacher_mass_outside_topk"]["mean"] < 1
     assert 0 < evaluated["files"]["encoded"]["body_bpw"] <= 2.0 < evaluated["files"]["teacher"]["body_bpw"]
+
+
+def test_the_top_k_kl_is_the_one_against_teacher_topks_cached_top_k(evaluated, tiny_stages, tiny_cmf):
+    """evaluate takes the teacher's top-k itself (no teacher_topk stage when training runs the teacher live);
+    on the held-out rows its top-k KL is the one against the shard teacher_topk wrote (f16 log-probs)."""
+    from nvg.artifacts import TopkReader
+    from nvg.losses import topk_kl
+
+    tokens, attrs = read_windows(tiny_stages / "windows.h5")
+    rows = np.arange(int(attrs["n_train"]), len(tokens))
+    reader = TopkReader([tiny_stages / "topk.0.h5"], attrs, len(tokens), load_model(tiny_cmf).cfg.vocab_size)
+    t_ids, t_logp = reader.read(rows)
+    reader.close()
+    student = load_model(tiny_stages / "student.cmf")
+    with torch.no_grad():
+        kl = topk_kl(student.hidden(torch.from_numpy(tokens[rows]).long()), student.head_weight,
+                     torch.from_numpy(t_ids), torch.from_numpy(t_logp))
+    assert evaluated["heldout"]["encoded"]["kl_topk"] == pytest.approx(float(kl) / tokens[rows].size, rel=1e-3)
 
 
 def test_heldout_perplexity_is_the_teachers_own_next_token_loss(evaluated, tiny_stages, tiny_cmf):
@@ -70,6 +88,6 @@ def test_one_model_is_in_memory_at_a_time(tiny_stages, tiny_cmf, tmp_path, monke
 
     monkeypatch.setattr(evaluate, "load_model", tracked)
     evaluate.main(tiny_cmf, tiny_stages / "student.cmf", tiny_stages / "student.cmf", tiny_stages / "windows.h5",
-                  [tiny_stages / "topk.0.h5"], tmp_path / "eval.json", evaluate.load(evaluate.EvalSettings, batch=4), [])
+                  8, tmp_path / "eval.json", evaluate.load(evaluate.EvalSettings, batch=4), [])
     assert alive_at_load == [0, 0, 0]
     assert json.loads((tmp_path / "eval.json").read_text())["heldout"]["encoded"]["kl_full"] > 0

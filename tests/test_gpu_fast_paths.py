@@ -179,7 +179,7 @@ def test_gpu_stage_modules_match_the_cpu(tiny_cmf, stage_inputs, tmp_path):
     reports = {}
     for device in ("cpu", "cuda"):
         out = tmp_path / f"eval-{device}.json"
-        evaluate.main(tiny_cmf, d / "student.cmf", d / "student.cmf", d / "windows.h5", [d / "topk.0.h5"], out,
+        evaluate.main(tiny_cmf, d / "student.cmf", d / "student.cmf", d / "windows.h5", 8, out,
                       load(evaluate.EvalSettings, batch=4, ood=[], device=device, precision="fp32"), [])
         reports[device] = json.loads(out.read_text())["heldout"]
     for model, metric in (("teacher", "perplexity"), ("final", "perplexity"), ("final", "kl_topk"), ("final", "kl_full")):

@@ -56,6 +56,14 @@ def test_whole_dag_produces_a_verified_model(finished_run):
     assert "held-out KL" in (workdir / "logs/train_student.log").read_text()
 
 
+def test_a_run_against_the_live_teacher_plans_no_top_k(tiny_hf, tiny_corpus, tmp_path):
+    """Only training on cached targets (and the DTG-MA cut) reads the top-k: evaluate takes its own."""
+    config = tiny_config(tiny_hf, tiny_corpus)
+    config["train"]["targets"], config["dtgma"]["keep"] = "live", None
+    jobs = planned_jobs(tmp_path, config)
+    assert "teacher_topk" not in jobs and {"train_student", "evaluate"} <= jobs
+
+
 def test_nothing_changed_runs_nothing(finished_run):
     workdir, config = finished_run
     assert planned_jobs(workdir, config) == set()

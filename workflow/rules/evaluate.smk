@@ -5,7 +5,6 @@ rule evaluate:
         **reconstructed_student(),
         final="results/model.cmf",
         windows="results/data/windows.h5",
-        topk=topk_shards(),
         code=nvg_sources("evaluate"),
     output:
         report="results/eval.json",
@@ -17,6 +16,7 @@ rule evaluate:
         "benchmarks/evaluate.tsv"
     params:
         settings=settings("evaluate"),
+        k=config["teacher_topk"]["k"],
         reconstructed=reconstructed_args,
     threads: TORCH_THREADS
     resources:
@@ -25,5 +25,5 @@ rule evaluate:
         runtime=lambda wildcards, attempt: 60 * attempt,
     shell:
         "python -m nvg.evaluate --teacher {input.teacher} --encoded {input.encoded}{params.reconstructed} --final {input.final} "
-        "--windows {input.windows} --topk {input.topk} --out {output.report} --settings {params.settings:q} "
+        "--windows {input.windows} --k {params.k:q} --out {output.report} --settings {params.settings:q} "
         "--benchmarks $(ls benchmarks/*.tsv 2>/dev/null) > {log} 2>&1"
