@@ -60,6 +60,13 @@ def test_the_top_k_kl_is_the_one_against_teacher_topks_cached_top_k(evaluated, t
     assert evaluated["heldout"]["encoded"]["kl_topk"] == pytest.approx(float(kl) / tokens[rows].size, rel=1e-3)
 
 
+def test_stage_seconds_leave_out_an_earlier_evaluate(tmp_path):
+    """A rerun finds the last run's benchmarks/evaluate.tsv (a sibling's, in a copied folder): not this run's time."""
+    for stage, seconds in (("train_student", 12.5), ("evaluate", 99.0)):
+        (tmp_path / f"{stage}.tsv").write_text(f"s\th:m:s\n{seconds}\t0:00:{int(seconds)}\n")
+    assert evaluate.stage_seconds(sorted(tmp_path.glob("*.tsv"))) == {"train_student": 12.5}
+
+
 def test_heldout_perplexity_is_the_teachers_own_next_token_loss(evaluated, tiny_stages, tiny_cmf):
     """Computed here with a plain log-softmax over the teacher's logits on the held-out windows."""
     tokens, attrs = read_windows(tiny_stages / "windows.h5")
