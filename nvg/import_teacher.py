@@ -13,6 +13,7 @@ package, found without importing it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import tempfile
@@ -154,7 +155,7 @@ def check_gguf(path: Path) -> None:
     import gguf
 
     try:
-        gguf.GGUFReader(path)  # maps every tensor: data cut short fails here
+        gguf.GGUFReader(str(path))  # maps every tensor: data cut short fails here (a str, as transformers passes it)
     except (ValueError, struct.error, IndexError, OSError) as e:
         raise NvgError(f"{path}: not a readable GGUF (truncated or corrupt): {e}") from None
 
@@ -170,19 +171,8 @@ def gguf_built_once():
     import gguf
 
     originals = {name: getattr(gguf, name) for name in ("GGUFReader", "get_tensor_name_map")}
-
-    def built_once(build):
-        built = {}
-
-        def first(*args, **kwargs):
-            key = (tuple(os.fspath(a) if isinstance(a, os.PathLike) else a for a in args), tuple(sorted(kwargs.items())))
-            if key not in built:
-                built[key] = build(*args, **kwargs)
-            return built[key]
-        return first
-
     for name, build in originals.items():
-        setattr(gguf, name, built_once(build))  # transformers imports both from `gguf` at each call
+        setattr(gguf, name, functools.cache(build))  # transformers imports both from `gguf` at each call
     try:
         yield
     finally:

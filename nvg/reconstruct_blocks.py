@@ -80,19 +80,18 @@ def is_sign(name: str) -> bool:
     return name.endswith((".su", ".sv"))
 
 
-def trained_tensors(s_model, blocks: int, signs: bool) -> dict[str, torch.Tensor]:
-    """What reconstruction changed in the first `blocks` blocks, by parameter name (`signs`: the sign
-    matrices too)."""
-    return {f"{i}.{n}": p for i in range(blocks) for n, p in s_model.model.layers[i].named_parameters()
+def trained_tensors(s_model, block: int, signs: bool) -> dict[str, torch.Tensor]:
+    """What reconstruction changed in block `block`, by parameter name (`signs`: the sign matrices too)."""
+    return {f"{block}.{n}": p for n, p in s_model.model.layers[block].named_parameters()
             if is_trained(n) or (signs and is_sign(n))}
 
 
-def state_tensors(s_model, blocks: int, signs: bool) -> dict[str, torch.Tensor]:
-    """`trained_tensors` as the resume state holds them: sign matrices packed 8 to a byte (the state is
-    rewritten after every block with every finished block in it; as bf16 the signs alone would make it
-    16× larger)."""
-    return {n: torch.from_numpy(pack_signs(p.detach().float().cpu().numpy())) if is_sign(n) else p
-            for n, p in trained_tensors(s_model, blocks, signs).items()}
+def block_state(s_model, block: int, signs: bool) -> dict[str, torch.Tensor]:
+    """`trained_tensors` as the resume state holds them, taken once when the block is done (nothing
+    changes it after): sign matrices packed 8 to a byte (the state is rewritten after every block with
+    every finished block in it; as bf16 the signs alone would make it 16× larger)."""
+    return {n: torch.from_numpy(pack_signs(p.detach().float().cpu().numpy())) if is_sign(n) else p.detach().cpu()
+            for n, p in trained_tensors(s_model, block, signs).items()}
 
 
 def block_sign_trainer(s_model, layer: int, s: ReconstructSettings, reference):
@@ -132,15 +131,16 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
     generator = torch.Generator().manual_seed(s.seed)
     reference = sign_reference(grams, t_cmf, t_model) if s.signs.margin else None
     state_path = run_state_file(s, student, teacher, windows, grams)
-    blocks = []
+    blocks, state = [], {}  # per block record; the finished blocks' tensors as saved
     if state_path.exists():
         def restore(tensors, meta):
             if not 0 < meta["done"] == len(meta["blocks"]) <= len(s_model.model.layers):  # a kill may come after the last block
                 raise ValueError(f"{meta['done']} blocks done with {len(meta['blocks'])} records, of {len(s_model.model.layers)}")
             with torch.no_grad():
-                for name, p in trained_tensors(s_model, meta["done"], s.signs.enabled).items():
-                    saved = tensors[name]
-                    p.copy_(torch.from_numpy(unpack_signs(saved.numpy(), p.shape[-1])) if is_sign(name) else saved)
+                for i in range(meta["done"]):
+                    for name, p in trained_tensors(s_model, i, s.signs.enabled).items():
+                        saved = state[name] = tensors[name]
+                        p.copy_(torch.from_numpy(unpack_signs(saved.numpy(), p.shape[-1])) if is_sign(name) else saved)
             generator.set_state(tensors["generator"])
             return meta["blocks"]
         blocks = load_state(state_path, "reconstruction", restore)
@@ -154,7 +154,8 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
                                        autocast=ctx, generator=generator, signs=block_sign_trainer(s_model, i, s, reference))
         x_t = y_t
         blocks.append(stats)
-        save_state(state_path, {**state_tensors(s_model, i + 1, s.signs.enabled), "generator": generator.get_state()},
+        state.update(block_state(s_model, i, s.signs.enabled))
+        save_state(state_path, {**state, "generator": generator.get_state()},
                    {"done": i + 1, "blocks": blocks})
         print(f"  block {i}: relative error {stats['before']:.5f} → {stats['after']:.5f}"
               + (f", {100 * stats['signs']['flipped_fraction']:.2f}% of its signs flipped" if "signs" in stats else "")
