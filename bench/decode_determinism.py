@@ -46,8 +46,8 @@ def efficient_attention(q, k, v, attn_mask=None, enable_gqa=False, **kw):
 
 def with_attention(attention):
     """torch.nn.functional with scaled_dot_product_attention replaced, for nvg.model to call."""
-    return types.SimpleNamespace(**{n: getattr(F, n) for n in dir(F) if not n.startswith("_")},
-                                 scaled_dot_product_attention=attention)
+    return types.SimpleNamespace(**{n: getattr(F, n) for n in dir(F) if not n.startswith("_")}
+                                 | {"scaled_dot_product_attention": attention})
 
 
 def main():
@@ -55,26 +55,28 @@ def main():
     ap.add_argument("--teacher", required=True)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--length", type=int, default=320, help="past 256, so two KV buckets and well past 64")
+    ap.add_argument("--device", default="cuda", help="cpu runs eagerly: a check of this script, not of the promise")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
     settings = CorpusSettings(sequences=args.batch, length=args.length, shards=1, first_token="vocab",
                               greedy_prefix=4, temperature=1.0, top_k=0, top_p=1.0, batch=args.batch,
-                              seed=1234, device="cuda", precision="bf16")
+                              seed=1234, device=args.device, precision="bf16")
     firsts = np.arange(args.batch, dtype=np.int64) * 37 + 100
     variants = {"torch SDPA (nvg as it is)": F, "two GEMMs and a softmax": with_attention(gemm_attention),
                 "SDPA held to its memory-efficient kernel": with_attention(efficient_attention)}
     for name, functional in variants.items():
         nvg.model.F = functional
         torch._dynamo.reset()
-        row = {"variant": name, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-               "sequences": args.batch, "length": args.length}
+        row = {"variant": name, "torch": torch.__version__, "sequences": args.batch, "length": args.length,
+               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
         try:
             decoder = Decoder(nvg.model.load_model(args.teacher, dev), args.batch, args.length, dev, "bf16")
             runs, seconds = [], []
             for _ in range(2):
                 torch.manual_seed(1234)
-                torch.cuda.synchronize()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 runs.append(sample_sequences(decoder, firsts, settings, name))
                 seconds.append(time.perf_counter() - t0)
@@ -83,7 +85,7 @@ def main():
                     "first_differing_position": int(differ.argmax()) if differ.any() else None,
                     "tok_s_warm": round(args.batch * args.length / seconds[1]), "seconds_first_run": round(seconds[0], 1)}
             del decoder
-        except Exception as e:  # a candidate that does not compile is a result too; the others still run
+        except RuntimeError as e:  # a candidate that does not compile is a result too; the others still run
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
