@@ -38,7 +38,7 @@ from nvg.cmf import read_verified
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
 from nvg.model import autocast, compile_blocks, load_model, pick_device, rotary_tables, write_student
-from nvg.resume import load_state, save_state, state_file
+from nvg.resume import load_state, one_run, save_state, state_file
 from nvg.settings import SETTINGS_HELP, load
 from nvg.sign_training import SignSettings, SignTrainer, sign_reference
 
@@ -131,42 +131,43 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
     generator = torch.Generator().manual_seed(s.seed)
     reference = sign_reference(grams, t_cmf, t_model) if s.signs.margin else None
     state_path = run_state_file(s, student, teacher, windows, grams)
-    blocks, state = [], {}  # per block record; the finished blocks' tensors as saved
-    if state_path.exists():
-        def restore(tensors, meta):
-            if not 0 < meta["done"] == len(meta["blocks"]) <= len(s_model.model.layers):  # a kill may come after the last block
-                raise ValueError(f"{meta['done']} blocks done with {len(meta['blocks'])} records, of {len(s_model.model.layers)}")
-            with torch.no_grad():
-                for i in range(meta["done"]):
-                    for name, p in trained_tensors(s_model, i, s.signs.enabled).items():
-                        saved = state[name] = tensors[name]
-                        p.copy_(torch.from_numpy(unpack_signs(saved.numpy(), p.shape[-1])) if is_sign(name) else saved)
-            generator.set_state(tensors["generator"])
-            return meta["blocks"]
-        blocks = load_state(state_path, "reconstruction", restore)
-        print(f"reconstruct_blocks: resumed {state_path} after block {len(blocks) - 1}", file=sys.stderr)
-    for i, (t_block, s_block) in enumerate(zip(t_model.model.layers, s_model.model.layers)):
-        y_t = run_block(t_block, x_t, cos, sin, s.batch, ctx)
-        if i < len(blocks):  # reconstructed before a kill: its output is the next block's input again
-            x_s, x_t = run_block(s_block, x_s, cos, sin, s.batch, ctx), y_t
-            continue
-        stats, x_s = reconstruct_block(s_block, x_s, y_t, cos, sin, steps=s.steps, batch=s.batch, lr=s.lr,
-                                       autocast=ctx, generator=generator, signs=block_sign_trainer(s_model, i, s, reference))
-        x_t = y_t
-        blocks.append(stats)
-        state.update(block_state(s_model, i, s.signs.enabled))
-        save_state(state_path, {**state, "generator": generator.get_state()},
-                   {"done": i + 1, "blocks": blocks})
-        print(f"  block {i}: relative error {stats['before']:.5f} → {stats['after']:.5f}"
-              + (f", {100 * stats['signs']['flipped_fraction']:.2f}% of its signs flipped" if "signs" in stats else "")
-              + ("" if stats["kept"] else " (worse: starting values kept)"), file=sys.stderr)
-    seconds = time.perf_counter() - t0
-    write_student(s_cmf, s_model, out, "nvg_reconstruct", {
-        "windows_hash": str(attrs["tokens_blake2b"]), "rows": rows.tolist(), "tokens_per_block": s.steps * s.batch * int(ids.shape[1]),
-        "blocks": blocks, "settings": asdict(s)})
-    print(f"reconstruct_blocks: {len(blocks)} blocks × {s.steps} steps of {s.batch} windows, relative error of the last "
-          f"block {blocks[-1]['before']:.4f} → {blocks[-1]['after']:.4f}, {seconds:.1f} s on {device} → {out}", file=sys.stderr)
-    shutil.rmtree(state_path.parent)  # the output holds everything the state did
+    with one_run(state_path, "reconstruction"):
+        blocks, state = [], {}  # per block record; the finished blocks' tensors as saved
+        if state_path.exists():
+            def restore(tensors, meta):
+                if not 0 < meta["done"] == len(meta["blocks"]) <= len(s_model.model.layers):  # a kill may come after the last block
+                    raise ValueError(f"{meta['done']} blocks done with {len(meta['blocks'])} records, of {len(s_model.model.layers)}")
+                with torch.no_grad():
+                    for i in range(meta["done"]):
+                        for name, p in trained_tensors(s_model, i, s.signs.enabled).items():
+                            saved = state[name] = tensors[name]
+                            p.copy_(torch.from_numpy(unpack_signs(saved.numpy(), p.shape[-1])) if is_sign(name) else saved)
+                generator.set_state(tensors["generator"])
+                return meta["blocks"]
+            blocks = load_state(state_path, "reconstruction", restore)
+            print(f"reconstruct_blocks: resumed {state_path} after block {len(blocks) - 1}", file=sys.stderr)
+        for i, (t_block, s_block) in enumerate(zip(t_model.model.layers, s_model.model.layers)):
+            y_t = run_block(t_block, x_t, cos, sin, s.batch, ctx)
+            if i < len(blocks):  # reconstructed before a kill: its output is the next block's input again
+                x_s, x_t = run_block(s_block, x_s, cos, sin, s.batch, ctx), y_t
+                continue
+            stats, x_s = reconstruct_block(s_block, x_s, y_t, cos, sin, steps=s.steps, batch=s.batch, lr=s.lr,
+                                           autocast=ctx, generator=generator, signs=block_sign_trainer(s_model, i, s, reference))
+            x_t = y_t
+            blocks.append(stats)
+            state.update(block_state(s_model, i, s.signs.enabled))
+            save_state(state_path, {**state, "generator": generator.get_state()},
+                       {"done": i + 1, "blocks": blocks})
+            print(f"  block {i}: relative error {stats['before']:.5f} → {stats['after']:.5f}"
+                  + (f", {100 * stats['signs']['flipped_fraction']:.2f}% of its signs flipped" if "signs" in stats else "")
+                  + ("" if stats["kept"] else " (worse: starting values kept)"), file=sys.stderr)
+        seconds = time.perf_counter() - t0
+        write_student(s_cmf, s_model, out, "nvg_reconstruct", {
+            "windows_hash": str(attrs["tokens_blake2b"]), "rows": rows.tolist(), "tokens_per_block": s.steps * s.batch * int(ids.shape[1]),
+            "blocks": blocks, "settings": asdict(s)})
+        print(f"reconstruct_blocks: {len(blocks)} blocks × {s.steps} steps of {s.batch} windows, relative error of the last "
+              f"block {blocks[-1]['before']:.4f} → {blocks[-1]['after']:.4f}, {seconds:.1f} s on {device} → {out}", file=sys.stderr)
+        shutil.rmtree(state_path.parent)  # the output holds everything the state did
 
 
 @exits_cleanly

@@ -2,11 +2,14 @@
 hash of the run's input files (path, size, mtime) and its result-affecting settings, so that a changed
 input or setting starts over instead of resuming someone else's run. Tensors plus JSON in the metadata,
 written atomically: loading it can run no code, and a killed save leaves the previous state. A stage
-deletes the folder once its outputs are written."""
+deletes the folder once its outputs are written. While a run uses its state it holds `one_run`'s lock."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -46,3 +49,25 @@ def load_state(path: Path, what: str, restore: Callable[[dict[str, torch.Tensor]
         return restore(tensors, meta)
     except Exception as e:  # whatever the library or the restore raises: never trusted
         raise NvgError(f"{path}: not a readable {what} state ({type(e).__name__}: {e}); delete it to start over") from None
+
+
+@contextlib.contextmanager
+def one_run(path: Path, what: str):
+    """Held while a run reads and writes its state `path`: an exclusive lock on `lock` beside it, which the
+    OS releases when the run ends or its process dies, killed or not. A second run on the same inputs and
+    settings (a second Snakemake started with --unlock while the first one's job still runs) stops with one
+    line instead of training from the same state and writing it, and the stage's log, twice over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise NvgError(f"{path.parent}: a {what} run on these inputs and settings is running now (process "
+                           f"{holder}); one run at a time") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it

@@ -22,6 +22,7 @@ so a resumed run ends bit-identical (CPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -41,7 +42,7 @@ from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
 from nvg.model import compile_blocks, load_model, pick_device, write_student
-from nvg.resume import load_state, save_state, state_file
+from nvg.resume import load_state, one_run, save_state, state_file
 from nvg.settings import SETTINGS_HELP, check, load
 from nvg.sign_training import SignSettings, SignTrainer, sign_reference
 
@@ -145,6 +146,7 @@ class Run:
     student: CmfFile
     state: RunState
     state_file: Path
+    lock: contextlib.ExitStack  # `resume.one_run` on state_file, released when the run is done with it
     n_batches: int
     total: int
     say: Callable
@@ -204,16 +206,20 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     for mode in d.modes:
         say(mode.describe())
     state_path = state_file(s.state_root, [student, windows, *topk, *([teacher] if live else []), *([grams] if grams else [])], state_settings(s))
-    if state_path.exists():
-        st = RunState.load(state_path, d, opt)
-        say(f"train_student: resumed {state_path} at step {st.done} (epoch {st.epoch}, batch {st.pos})")
-    else:
-        e0 = d.heldout_kl()
-        st = RunState(e0=e0, best_kl=e0, best=d.snapshot(), gscale=4096.0 if s.precision == "fp16" else 1.0,
-                      evals=[{"step": 0, "heldout_kl": e0}], metrics=[{"step": 0, "heldout_kl": e0}])
+    with contextlib.ExitStack() as held:
+        if group.main:  # the process that saves the state holds it until finish
+            held.enter_context(one_run(state_path, "training"))
+        if state_path.exists():
+            st = RunState.load(state_path, d, opt)
+            say(f"train_student: resumed {state_path} at step {st.done} (epoch {st.epoch}, batch {st.pos})")
+        else:
+            e0 = d.heldout_kl()
+            st = RunState(e0=e0, best_kl=e0, best=d.snapshot(), gscale=4096.0 if s.precision == "fp16" else 1.0,
+                          evals=[{"step": 0, "heldout_kl": e0}], metrics=[{"step": 0, "heldout_kl": e0}])
+        lock = held.pop_all()
     say(f"train_student: {len(d.params)} trainable tensors, {n_batches} batches × {s.epochs} epochs = {total} steps, "
         f"held-out KL before training {st.e0:.5f}, device {device}" + (f" × {group.world} processes" if group.world > 1 else ""))
-    return Run(s, group, d, opt, s_cmf, st, state_path, n_batches, total, say)
+    return Run(s, group, d, opt, s_cmf, st, state_path, lock, n_batches, total, say)
 
 
 def evaluate(run: Run) -> None:
@@ -317,8 +323,9 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
 def main(student: Path, windows: Path, topk: list[Path], teacher_name: str, out: Path, metrics: Path,
          settings: TrainSettings, teacher: Path | None = None, grams: Path | None = None) -> None:
     run = setup(student, windows, topk, settings, teacher, grams)
-    fit(run)
-    finish(run, teacher_name, out, metrics)
+    with run.lock:
+        fit(run)
+        finish(run, teacher_name, out, metrics)
 
 
 @exits_cleanly

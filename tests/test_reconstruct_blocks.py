@@ -172,6 +172,23 @@ def test_a_killed_run_resumes_at_the_next_block_and_writes_the_same_bytes(stage_
     assert list((tmp_path / "state").iterdir()) == []
 
 
+def test_a_second_run_while_the_first_holds_its_state_stops_with_one_line(stage_inputs, tmp_path):
+    """Two reconstruct_blocks jobs on the same inputs and settings (a second Snakemake after --unlock): the
+    second stops, naming the state folder and the process that holds it, and writes nothing."""
+    from nvg.errors import NvgError
+    from nvg.resume import one_run
+
+    inputs = (stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5")
+    s = settings(tmp_path / "state", steps=2)
+    with one_run(run_state_file(s, *inputs, None), "reconstruction"):  # the first job, still running
+        with pytest.raises(NvgError, match=r"state/[0-9a-f]+: a reconstruction run on these inputs and settings is "
+                                           r"running now \(process \d+\); one run at a time"):
+            main(*inputs, tmp_path / "second.cmf", s)
+    assert not (tmp_path / "second.cmf").exists()
+    main(*inputs, tmp_path / "second.cmf", s)  # once it has ended, the next run goes ahead
+    assert verify(tmp_path / "second.cmf") == [] and list((tmp_path / "state").iterdir()) == []
+
+
 def test_the_stage_with_signs_writes_flipped_signs_and_resumes_to_the_same_bytes(stage_inputs, tmp_path, monkeypatch):
     """With reconstruct.signs (margins from --grams) the written student's sign bits differ from the encoder's,
     each block records its flipped fraction, and a run killed in block 1 resumes (block 0's signs put back from

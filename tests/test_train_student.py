@@ -78,6 +78,23 @@ def test_a_changed_setting_never_resumes_stale_state(stage_inputs):
     assert len(list((stage_inputs / "state-stale").iterdir())) == 1  # the lr=0.01 state is left alone
 
 
+def test_a_second_run_on_a_state_in_use_stops_with_one_line(stage_inputs):
+    """A second Snakemake started with --unlock while the first one's train_student still runs starts the same
+    job on the same state: it stops, naming the state and the process that holds it, and writes nothing."""
+    from nvg.resume import one_run
+
+    train(stage_inputs, "held", stop_after=3)  # state saved at step 2
+    state = next((stage_inputs / "state-held").glob("*/state.safetensors"))
+    before = state.read_bytes(), (stage_inputs / "held.cmf").read_bytes()  # a stopped run writes its best so far
+    with one_run(state, "training"):  # the first run, still going
+        with pytest.raises(NvgError, match=r"state-held/[0-9a-f]+: a training run on these inputs and settings is "
+                                           rf"running now \(process {os.getpid()}\); one run at a time"):
+            train(stage_inputs, "held")
+    assert (state.read_bytes(), (stage_inputs / "held.cmf").read_bytes()) == before
+    out = train(stage_inputs, "held")  # once it has ended, the next run resumes
+    assert out.header["provenance"]["nvg_train"]["steps"] == 2 * (1536 // 32 // 8)
+
+
 @pytest.mark.parametrize("relative", [False, True])
 def test_relative_lr_moves_every_tensor_by_the_same_fraction_of_its_size(stage_inputs, relative):
     """Adam's first step moves every entry by about lr; with `lr_relative` by about lr × its tensor's
@@ -325,7 +342,8 @@ def test_training_memory_for_targets_stays_one_batch_on_a_shard_far_larger(tiny_
     run = setup(tmp_path / "student.cmf", tmp_path / "windows.h5", [tmp_path / "topk.0.h5"],
                 load(TrainSettings, epochs=2, batch=8, eval_every=3, state_every=0, state_root=str(tmp_path / "state")))
     tracemalloc.start()
-    fit(run)
+    with run.lock:
+        fit(run)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     finish(run, "tiny", tmp_path / "out.cmf", tmp_path / "m.jsonl")
