@@ -7,9 +7,10 @@
 #                                              own copy of this checkout with those results, one per GPU, in
 #                                              parallel; then its eval.json, metrics, logs and stage times to $OUT
 # A variant's copy stays under /root/ablation/NAME while the machine is warm: run it again to resume a
-# killed training (train_student's saved state) or to reuse what it finished. Snakemake is interrupted after
-# ABLATION_LIMIT_S seconds (default 540), inside the device's 10-minute call limit, so that a variant that
-# does not finish still sends back its logs and metrics (session 10 lost a 0.55 bpw run's log to that limit).
+# stopped training (train_student's saved state) or to reuse what it finished. Snakemake and its jobs are
+# interrupted after ABLATION_LIMIT_S seconds (default 540), inside the device's 10-minute call limit, so that
+# a variant that does not finish still sends back its logs and metrics (session 10 lost a 0.55 bpw run's log
+# to that limit), and train_student saves its state at the step it stops.
 # PREFIX_TARGETS and RUN_TARGETS replace the default targets, so that one variant can be split between device
 # calls where Snakemake's DAG splits it (e.g. RUN_TARGETS=results/student/reconstructed.cmf in the call that
 # ends the prefix, then the training in the next): no step is trained twice and nothing compiles twice.
@@ -35,9 +36,17 @@ run)
     dir=/root/ablation/$name
     [[ -d $dir ]] || { mkdir -p /root/ablation && cp -a "$PWD" "$dir"; }
     ( set +e; cd "$dir"; start=$(date +%s)
-      CUDA_VISIBLE_DEVICES=$gpu timeout --signal=INT --kill-after=20 "${ABLATION_LIMIT_S:-540}" snakemake --cores 8 ${RUN_TARGETS:-results/model.cmf results/eval.json} $TRIGGERS --quiet rules \
-        --configfile $BASE "bench/ablation/$name.yaml" > "$dir/snakemake.log" 2>&1;
-      echo "$name: exit $? after $(( $(date +%s) - start )) s" >> "$dir/snakemake.log"
+      # Snakemake leads its own process group, so that at the limit SIGINT reaches its jobs too, as a terminal's
+      # Ctrl-C does: train_student ends its step, saves its state and stops (the next call resumes there with
+      # nothing lost), and Snakemake, which waits for its jobs, then exits; 25 s later the group is killed.
+      CUDA_VISIBLE_DEVICES=$gpu setsid snakemake --cores 8 ${RUN_TARGETS:-results/model.cmf results/eval.json} $TRIGGERS --quiet rules \
+        --configfile $BASE "bench/ablation/$name.yaml" > "$dir/snakemake.log" 2>&1 &
+      smk=$!
+      ( sleep "${ABLATION_LIMIT_S:-540}"; kill -INT -- -$smk; sleep 25; kill -KILL -- -$smk ) > /dev/null 2>&1 &
+      watchdog=$!
+      wait $smk; status=$?
+      pkill -P $watchdog 2> /dev/null; kill $watchdog 2> /dev/null
+      echo "$name: exit $status after $(( $(date +%s) - start )) s" >> "$dir/snakemake.log"
       tar czf "$OUT/$name.tgz" snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl 2>/dev/null || true ) &
   done
   wait

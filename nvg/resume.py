@@ -2,7 +2,8 @@
 hash of the run's input files (path, size, mtime) and its result-affecting settings, so that a changed
 input or setting starts over instead of resuming someone else's run. Tensors plus JSON in the metadata,
 written atomically: loading it can run no code, and a killed save leaves the previous state. A stage
-deletes the folder once its outputs are written. While a run uses its state it holds `one_run`'s lock."""
+deletes the folder once its outputs are written. While a run uses its state it holds `one_run`'s lock, and
+`stop_requests` turns SIGINT and SIGTERM into a saved state instead of lost steps."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -71,3 +74,27 @@ def one_run(path: Path, what: str):
         yield
     finally:
         os.close(fd)  # the lock goes with it
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """The signals received while the block runs (a list, empty until one comes): SIGINT (Ctrl-C, which a
+    terminal sends to Snakemake and its jobs alike) and SIGTERM (a scheduler's time limit or preemption) are
+    recorded instead of killing the process, so that the stage can finish the step under way, save its state
+    and stop; a second signal interrupts at once. Outside the main thread, where Python cannot take
+    signals, the list stays empty and the signals act as before."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def record(signum, frame):
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+    previous = {sig: signal.signal(sig, record) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

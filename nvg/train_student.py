@@ -9,8 +9,9 @@ dynamic gradient scale from 4096, halved on a non-finite step); a non-finite ste
 and logged. Held-out KL before training, every `eval_every` steps and at the end; the best snapshot is
 restored. Training modes (`train.signs`) plug into the step and the evaluations through hooks.
 
-Resume: every `state_every` steps the `RunState` (parameters, Adam moments, best snapshot, each mode's
-state, counters, epoch and batch position, eval and metric logs) is written atomically to
+Resume: every `state_every` steps, and at the step under way on SIGINT or SIGTERM, the `RunState`
+(parameters, Adam moments, best snapshot, each mode's state, counters, epoch and batch position, eval and
+metric logs) is written atomically to
 `<state_root>/<key>/state.safetensors`, key = hash of the inputs and settings. Tensors and JSON only:
 nothing is unpickled. Rerunning resumes from it; the batch order is a pure function of (seed, epoch),
 so a resumed run ends bit-identical (CPU).
@@ -26,6 +27,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -42,7 +44,7 @@ from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
 from nvg.model import compile_blocks, load_model, pick_device, write_student
-from nvg.resume import load_state, one_run, save_state, state_file
+from nvg.resume import load_state, one_run, save_state, state_file, stop_requests
 from nvg.settings import SETTINGS_HELP, check, load
 from nvg.sign_training import SignSettings, SignTrainer, sign_reference
 
@@ -241,7 +243,13 @@ def evaluate(run: Run) -> None:
 
 def fit(run: Run) -> None:
     """Steps until `total` (or `stop_after`): one batch each, in a seeded order per epoch; evaluations
-    every `eval_every` steps and a saved state every `state_every`."""
+    every `eval_every` steps and a saved state every `state_every`. SIGINT or SIGTERM (one process) ends the
+    step under way, saves the state and stops with one line: a rerun resumes with nothing lost."""
+    with stop_requests() if run.group.world == 1 else contextlib.nullcontext([]) as signals:
+        _fit(run, signals)
+
+
+def _fit(run: Run, signals: list[int]) -> None:
     s, st, d, say = run.settings, run.state, run.d, run.say
     window = d.targets.tokens.shape[1]
     done0, t0 = st.done, time.perf_counter()
@@ -290,6 +298,10 @@ def fit(run: Run) -> None:
             if s.state_every and st.done % s.state_every == 0 and st.done < run.total and run.group.main:
                 st.save(run.state_file, d, run.opt)
                 say(f"  state saved at step {st.done}: {run.state_file}")
+            if signals and st.done < run.total:
+                st.save(run.state_file, d, run.opt)
+                raise NvgError(f"{run.state_file}: {signal.Signals(signals[0]).name} at step {st.done} of {run.total}; "
+                               "the state is saved, rerun to resume")
 
 
 def codes_changed(model) -> dict[str, float]:

@@ -78,6 +78,36 @@ def test_a_changed_setting_never_resumes_stale_state(stage_inputs):
     assert len(list((stage_inputs / "state-stale").iterdir())) == 1  # the lr=0.01 state is left alone
 
 
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signal_saves_the_state_at_its_step_and_the_rerun_ends_bit_identical(stage_inputs, monkeypatch, signum):
+    """SIGTERM (a scheduler's time limit or preemption) or SIGINT (Ctrl-C) mid-training: the step under way
+    ends, the state is saved at that step (with `state_every: 0`, none would be), the job stops with one line
+    and writes no student; the rerun resumes there and writes the bytes of an uninterrupted run."""
+    import signal
+
+    from nvg.distill import Distiller
+
+    whole = train(stage_inputs, f"unsignalled-{signum}", state_every=0).path.read_bytes()
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    step, steps = Distiller.step, []
+
+    def step_then_signal(self, *a, **kw):
+        out = step(self, *a, **kw)
+        steps.append(1)
+        if len(steps) == 3:
+            os.kill(os.getpid(), getattr(signal, signum))
+        return out
+    monkeypatch.setattr(Distiller, "step", step_then_signal)
+    with pytest.raises(NvgError, match=rf"state-signalled-{signum}/[0-9a-f]+/state.safetensors: {signum} at step 3 "
+                                       r"of 12; the state is saved, rerun to resume"):
+        train(stage_inputs, f"signalled-{signum}", state_every=0)
+    monkeypatch.undo()
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
+    state = next((stage_inputs / f"state-signalled-{signum}").glob("*/state.safetensors"))
+    assert saved_counters(state)["done"] == 3 and not (stage_inputs / f"signalled-{signum}.cmf").exists()
+    assert train(stage_inputs, f"signalled-{signum}", state_every=0).path.read_bytes() == whole
+
+
 def test_a_second_run_on_a_state_in_use_stops_with_one_line(stage_inputs):
     """A second Snakemake started with --unlock while the first one's train_student still runs starts the same
     job on the same state: it stops, naming the state and the process that holds it, and writes nothing."""
