@@ -2,7 +2,8 @@
 
     python bench/cpu_step.py results/student/encoded.cmf results/data/windows.h5 results/teacher/topk.0.h5 --batch 1
 
-Six steps on the same windows (top-k targets, bf16 setting as the default job: float32 on the CPU); the
+Six steps on the same windows (top-k targets, bf16 setting as the default job: bf16 autocast on a CPU with native
+bf16 matmuls, float32 on others); the
 median of forward, backward and the Adam update, then one held-out KL pass."""
 
 import argparse
