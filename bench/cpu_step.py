@@ -1,10 +1,10 @@
 """One distillation step of the default job's student on the CPU, timed by part (docs/benchmarks.md).
 
-    python bench/cpu_step.py results/student/encoded.cmf results/data/windows.h5 results/teacher/topk.0.h5 --batch 1
+    python bench/cpu_step.py results/student/encoded.cmf results/data/windows.h5 results/teacher/topk.0.h5 --batch 1 [--precision fp32]
 
-Six steps on the same windows (top-k targets, bf16 setting as the default job: bf16 autocast on a CPU with native
-bf16 matmuls, float32 on others); the
-median of forward, backward and the Adam update, then one held-out KL pass."""
+Six steps on the same windows (top-k targets; `--precision bf16`, the default job's setting, is bf16 autocast on
+a CPU with native bf16 matmuls and float32 on others); the median of forward, backward and the Adam update, then
+one held-out KL pass."""
 
 import argparse
 import time
@@ -20,10 +20,11 @@ ap.add_argument("student", type=Path)
 ap.add_argument("windows", type=Path)
 ap.add_argument("topk", type=Path, nargs="+")
 ap.add_argument("--batch", type=int, default=1)
+ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"], help="the stage setting (bf16: the default job's)")
 args = ap.parse_args()
 student = load_model(args.student, "cpu")
 targets = Targets.from_files(args.windows, args.topk, student.cfg.vocab_size)
-d = Distiller(student, targets, torch.device("cpu"), batch=args.batch, precision="bf16")
+d = Distiller(student, targets, torch.device("cpu"), batch=args.batch, precision=args.precision)
 opt = torch.optim.Adam(param_groups(d.params, True), lr=0.01)
 rows = list(range(args.batch))
 times = {"forward": [], "backward": [], "adam": []}
