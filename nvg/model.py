@@ -498,7 +498,8 @@ def pick_device(requested: str = "auto") -> torch.device:
 def cpu_has_bf16_matmuls() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX): there oneDNN's bf16 GEMM runs
     4.4× the float32 one (2-core AMD EPYC, 256 × 576 × 1536); elsewhere bf16 is emulated and slower than float32."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch's own CPU probes (private: default False)
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 def autocast(device: torch.device, precision: str):

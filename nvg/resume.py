@@ -65,12 +65,16 @@ def one_run(path: Path, what: str):
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             raise NvgError(f"{path.parent}: a {what} run on these inputs and settings is running now (process "
                            f"{holder}); one run at a time") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError:  # a filesystem that cannot lock (some network mounts): the run goes ahead unguarded
+            locked = False
+        if locked:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
         os.close(fd)  # the lock goes with it
