@@ -37,6 +37,19 @@ def test_cached_decoding_equals_the_full_forward(tiny_cmf, monkeypatch):
     assert torch.equal(full.argmax(-1), seq[:, 1:])
 
 
+def test_cached_attention_equals_sdpa_under_the_cache_mask():
+    """The decoder's attention (two GEMMs and a softmax, for one order of addition on the GPU) is SDPA's
+    arithmetic: SmolLM2's shape (9 query heads on 3 K/V heads), three new tokens against a cache of ten."""
+    from nvg.model import cached_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, t, 64, generator=gen) for h, t in ((9, 3), (3, 10), (3, 10)))
+    pos = torch.tensor([4, 5, 6])
+    visible = torch.arange(10)[None, :] <= pos[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+    torch.testing.assert_close(cached_attention(q, k, v, pos), expected)
+
+
 def test_sampling_restrictions():
     torch.manual_seed(0)
     logits = torch.randn(64, 300)
