@@ -1,11 +1,12 @@
 """What each format of the tied embedding / LM head costs the teacher alone (issue #19): the teacher with only
 that matrix replaced, perplexity on held-out windows and on python-docs as a ratio to the unchanged teacher.
 
-    python bench/embedding_formats.py RESULTS   (RESULTS: a default run's results/ folder; float32 on the CPU)
+    python bench/embedding_formats.py RESULTS [PREFIX]   (RESULTS: a default run's results/ folder; float32 on the
+    CPU; PREFIX: only the rows whose format starts with it, e.g. blr)
 
 The GPTQ rows use the head-input Gram of the run's Grams file (gram_capture's `head_in`, FIT windows); the
-last three rows are what budget_reencode writes with `encode.embedding_shrink` (scales shrunk by the factor
-that errs least on the SEL Gram).
+shrunk rows are what budget_reencode writes with `encode.embedding_shrink` (scales shrunk by the factor that
+errs least on the SEL Gram), the blr rows what it writes with `encode.embedding: blr`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import torch
 from tokenizers import Tokenizer
 
 from nvg.artifacts import HEAD_INPUT, read_grams, read_windows
-from nvg.budget_reencode import gptq_recoded, gptq_shrunk
+from nvg.budget_reencode import encode_blr_vocab_matrix, gptq_recoded, gptq_shrunk
 from nvg.cmf import Q2TP, Q4_BLOCK, Q4TP, dense_tensor, read_verified, tensor_to_numpy
-from nvg.encoder import EncodeSettings, encode_tensor
+from nvg.encoder import EncodeSettings
 from nvg.evaluate import ChatRenderer
 from nvg.model import load_model
+from nvg.settings import load
 from nvg.sources import source_tokens
 
 WINDOWS = 8  # held-out windows scored
@@ -39,7 +41,7 @@ def perplexity(model, windows: np.ndarray) -> float:
     return float(np.exp(nll / n))
 
 
-def main(results: Path) -> None:
+def main(results: Path, only: str = "") -> None:
     cmf = read_verified(results / "teacher.cmf")
     tokens, attrs = read_windows(results / "data/windows.h5", cmf.arch["vocab_size"])
     held = tokens[int(attrs["n_train"]):][:WINDOWS]
@@ -57,28 +59,33 @@ def main(results: Path) -> None:
         t = gptq_recoded(t, E, hessian, damp) if hessian is not None else t
         return tensor_to_numpy(t), len(t.data)
 
-    def blr_matrix(bpw):
-        s = EncodeSettings(bpw=bpw, method="nvg", paths="1", kv_factor=1.0, rowweight=False, damp=0.01, iters=2,
-                           signs="u", embedding="f16", embedding_damp=0.1, embedding_shrink=False, device="cpu")
-        Hn = (H / np.diag(H).mean()).astype(np.float32)
-        b, _ = encode_tensor(E, Hn, Hn, bpw, "embed", cmf.arch["head_dim"], s, "cpu", "embed")
-        return b.dequantize(), len(b.encode())
+    def blr_matrix(bpw):  # what budget_reencode writes for `encode.embedding: blr` at `embedding_bpw`
+        s = load(EncodeSettings, embedding="blr", embedding_bpw=bpw, device="cpu")
+        t, _ = encode_blr_vocab_matrix("e", E, H, H_sel, s, True, "cpu")
+        return tensor_to_numpy(t), len(t.data)
 
-    rows = {"q4_block (cortiq's rounding)": quantised(Q4_BLOCK), "q4_block, GPTQ λ 0.1": quantised(Q4_BLOCK, H),
-            "q4tp, rounded": quantised(Q4TP), "q4tp, GPTQ λ 0.1": quantised(Q4TP, H), "q2tp, rounded": quantised(Q2TP)}
-    rows |= {f"q2tp, GPTQ λ {d}": quantised(Q2TP, H, d) for d in (0.01, 0.1, 1.0)}
-    for name, dtype in (("q4_block", Q4_BLOCK), ("q4tp", Q4TP), ("q2tp", Q2TP)):  # budget_reencode's choice
-        t, shrink = gptq_shrunk(dense_tensor("e", E, dtype), E, H, H_sel, 0.1)
-        rows[f"{name}, GPTQ λ 0.1, scales × {shrink} (encode.embedding_shrink)"] = tensor_to_numpy(t), len(t.data)
-    rows["blr 1.0 bpw (nvg encoder, head Gram)"] = blr_matrix(1.0)
+    rows = {"q4_block (cortiq's rounding)": lambda: quantised(Q4_BLOCK), "q4_block, GPTQ λ 0.1": lambda: quantised(Q4_BLOCK, H),
+            "q4tp, rounded": lambda: quantised(Q4TP), "q4tp, GPTQ λ 0.1": lambda: quantised(Q4TP, H),
+            "q2tp, rounded": lambda: quantised(Q2TP)}
+    rows |= {f"q2tp, GPTQ λ {d}": lambda d=d: quantised(Q2TP, H, d) for d in (0.01, 0.1, 1.0)}
+
+    def shrunk(dtype):  # budget_reencode's choice with `encode.embedding_shrink`
+        t, factor = gptq_shrunk(dense_tensor("e", E, dtype), E, H, H_sel, 0.1)
+        return tensor_to_numpy(t), len(t.data), f"scales × {factor}"
+
+    rows |= {f"{name}, GPTQ λ 0.1, shrunk scales (encode.embedding_shrink)": lambda dtype=dtype: shrunk(dtype)
+             for name, dtype in (("q4_block", Q4_BLOCK), ("q4tp", Q4TP), ("q2tp", Q2TP))}
+    rows |= {f"blr {bpw} bpw (encode.embedding: blr, head Gram)": lambda bpw=bpw: blr_matrix(bpw) for bpw in (1.0, 2.0)}
     print("| format | MB | relative squared error | held-out | python-docs |\n|---|---|---|---|---|")
-    for name, (W, size) in rows.items():
+    for name, make in rows.items():
+        if not name.startswith(only):
+            continue
+        W, size, *note = make()
         model.model.embed_tokens.weight.data.copy_(torch.from_numpy(np.asarray(W, np.float32)))
         rel = float(((W - E) ** 2).sum() / (E ** 2).sum())
-        print(f"| {name} | {size / 1e6:.2f} | {rel:.4f} | {perplexity(model, held) / base[0]:.3f}× | "
+        print(f"| {' '.join([name, *note])} | {size / 1e6:.2f} | {rel:.4f} | {perplexity(model, held) / base[0]:.3f}× | "
               f"{perplexity(model, docs) / base[1]:.3f}× |", flush=True)
-
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *sys.argv[2:3])

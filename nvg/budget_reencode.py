@@ -78,6 +78,8 @@ def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeS
     (teacher alone, SmolLM2: q2tp 15.3× / 9.2× held-out / python-docs perplexity rounded, 3.2× / 3.2× with
     GPTQ). Its error is reported on the logits of the SEL hidden states."""
     H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
+    if settings.embedding == "blr":
+        return encode_blr_vocab_matrix(name, W, H_fit, H_sel, settings, is_head, device)
     q = dense_tensor(name, W, EMBEDDING_DTYPES[settings.embedding])
     shrink = {}
     if is_head and W.shape[1] % 32 == 0:  # row-aligned groups (q4_block's run over the flattened matrix)
@@ -91,6 +93,21 @@ def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeS
     logit_err = float(((D @ H_sel) * D).sum() / ((W @ H_sel) * W).sum())
     return q, {"method": settings.embedding, "bpw": 8.0 * len(q.data) / W.size,
                "rel_error": float(np.linalg.norm(D) / np.linalg.norm(W)), "rel_logit_error": logit_err, **shrink}
+
+
+def encode_blr_vocab_matrix(name: str, W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, settings: EncodeSettings,
+                            is_head: bool, device) -> tuple[Tensor, dict]:
+    """The embedding or LM head in BLR at `embedding_bpw`, by the body's encoder: as a linear from the final
+    hidden states to the logits, so the head (the embedding too when tied) is fitted under those states' Gram
+    and its error is the logits'. An untied embedding feeds no logits: it is fitted under the identity
+    (every coordinate alike). Token frequencies do not weigh the rows yet."""
+    if not is_head:
+        H_fit = H_sel = np.eye(W.shape[1], dtype=H_fit.dtype)
+    blr, row = encode_tensor(W, H_fit, H_sel, settings.embedding_bpw, "vocab", 0, settings, device, name)
+    D = blr.dequantize().astype(np.float64) - W
+    row["rel_error"] = float(np.linalg.norm(D) / np.linalg.norm(W))
+    row["rel_logit_error"] = float(((D @ H_sel) * D).sum() / ((W @ H_sel) * W).sum())
+    return Tensor(name, BLR, W.shape, blr.encode()), {**row, "method": "blr"}
 
 
 def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSettings,
@@ -110,6 +127,12 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
             need = codec.bits_per_weight(1, 8, *t_cmf.tensors[name].shape)
             raise NvgError(f"{origin}: {bpw:.4f} bpw for {name} cannot hold even rank 8 (the minimum is {need:.4f} bpw)")
         budgets[name] = bpw
+    if settings.embedding == "blr":
+        for name in VOCAB_MATRICES:
+            if name in t_cmf.tensors and codec.max_rank(settings.embedding_bpw, 1, *t_cmf.tensors[name].shape) == 0:
+                need = codec.bits_per_weight(1, 8, *t_cmf.tensors[name].shape)
+                raise NvgError(f"config encode.embedding_bpw: {settings.embedding_bpw:.4f} bpw for {name} cannot hold even rank 8 "
+                               f"(the minimum is {need:.4f} bpw)")
     s_cmf = read_verified(student) if student else None
     if s_cmf is not None:
         check_encoded_from(s_cmf, t_cmf)
@@ -154,7 +177,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     header = dict(base.header)
     prov = dict(header.get("provenance", {}))
     prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw,
-                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "embedding": settings.embedding, "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
+                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "embedding": settings.embedding, "embedding_bpw": settings.embedding_bpw if settings.embedding == "blr" else None, "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov
     header["quant_type"] = "BLR"

@@ -41,6 +41,7 @@ class EncodeSettings:
     iters: int
     signs: str
     embedding: str
+    embedding_bpw: float
     embedding_damp: float
     embedding_shrink: bool
     device: str

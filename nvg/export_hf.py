@@ -31,7 +31,7 @@ import torch
 from nvg import blr as codec
 from nvg.cmf import BLR, read_cmf, tensor_to_numpy
 from nvg.errors import NvgError, exits_cleanly
-from nvg.layout import bits_summary
+from nvg.layout import bits_summary, parse_body_linear
 from nvg.tokenizer import hf_tokenizer
 
 PACKED_PARTS = ("h", "ell", "g", "u_bits", "v_bits")  # a packed BLR module's tensors (nvg/hf_quantizer.py)
@@ -49,15 +49,19 @@ def dense_tensors(cmf) -> dict[str, torch.Tensor]:
 
 
 def packed_tensors(cmf) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """Every BLR linear `X.weight` as the CMF payload's own parts (nvg/hf_quantizer.py's BlrLinear):
+    """Every BLR body linear `X.weight` as the CMF payload's own parts (nvg/hf_quantizer.py's BlrLinear):
     X.h [P, d_out], X.ell [P, r], X.g [P, d_in] in f16 and the sign bits X.u_bits [P, d_out, r/8],
-    X.v_bits [P, r, d_in/8] in uint8; every other tensor dense. Also each BLR module's {paths, rank}."""
+    X.v_bits [P, r, d_in/8] in uint8; every other tensor dense (a BLR embedding or LM head too: transformers
+    looks tokens up in its embedding's weight). Also each BLR module's {paths, rank}."""
     out, linears = {}, {}
     for name, t in cmf.tensors.items():
         if t.dtype != BLR:
             out[name] = torch.from_numpy(tensor_to_numpy(t))
             continue
         blr, module = codec.decode(bytes(t.data)), name.removesuffix(".weight")
+        if not parse_body_linear(name):
+            out[name] = torch.from_numpy(blr.dequantize())
+            continue
         for part in PACKED_PARTS[:3]:
             out[f"{module}.{part}"] = torch.from_numpy(np.stack([getattr(p, part) for p in blr.paths])).half()
         out[f"{module}.u_bits"] = torch.from_numpy(np.stack([p.u_bits for p in blr.paths]))

@@ -138,6 +138,23 @@ class BlrLinear(nn.Module):
         ])
 
 
+class BlrVocab(BlrLinear):
+    """A BLR token embedding or LM head (`encode.embedding: blr`), [vocab, hidden]: the factors, scales and
+    signs of `BlrLinear` (so training, sign training and `write_student` treat it as one more BLR tensor).
+    A lookup gathers only the S_U rows of its tokens and multiplies them by S_V: rank × hidden work a token,
+    the vocabulary-sized matrix never formed. `weight` (the head's use, chunked logits against it) forms it
+    once a call: rank × vocab × hidden multiply-adds, small beside a training step's tokens."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ell = self.ell.view(self.ell.shape[0], *[1] * ids.dim(), self.rank)
+        rows = self.su[:, ids].float() * self.h[:, ids].unsqueeze(-1) * ell  # [P, *ids, r]
+        return torch.einsum("p...r,pri->...i", rows, self.sv.float() * self.g[:, None, :])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dense_weight()
+
+
 def rotary_tables(cfg: ModelConfig, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim))
     ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
@@ -304,7 +321,7 @@ def group_scaled(module: nn.Module, t) -> nn.Module:
 class Body(nn.Module):
     def __init__(self, embed, layers, norm):
         super().__init__()
-        self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.embed_tokens = BlrVocab(embed) if isinstance(embed, blr_codec.BlrTensor) else nn.Embedding.from_pretrained(embed, freeze=True)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
@@ -315,7 +332,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.model = body
         if lm_head is not None:
-            self.lm_head = DenseLinear(lm_head)
+            self.lm_head = BlrVocab(lm_head) if isinstance(lm_head, blr_codec.BlrTensor) else DenseLinear(lm_head)
 
     @property
     def head_weight(self) -> torch.Tensor:

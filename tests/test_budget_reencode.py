@@ -280,6 +280,77 @@ def test_the_embedding_in_cortiqs_quantised_formats_trains_its_scales_and_export
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
+def test_a_blr_embedding_looks_tokens_up_in_its_factors_trains_its_scales_and_exports(tiny_stages, tiny_cmf, tmp_path):
+    """`encode.embedding: blr`: the tied embedding and head encoded by the body's encoder under the final hidden
+    states' Gram, stored as a CMF blr tensor; the student's lookup (rows of S_U times S_V, the matrix never
+    formed) and head are the payload's matrix; training moves its scales and keeps its signs; the trained
+    file verifies and exports to transformers dense (same logits) and, packed, with the embedding dense."""
+    import shutil
+
+    import torch
+
+    from nvg import blr as codec
+    from nvg.cmf import BLR, verify
+    from nvg.distill import trainable
+    from nvg.export_hf import main as export_hf, packed_tensors
+    from nvg.layout import bits_summary
+    from nvg.model import BlrVocab, load_model
+    from tests.conftest import train
+
+    for name in ("windows.h5", "topk.0.h5"):
+        shutil.copy(tiny_stages / name, tmp_path / name)
+    main(tiny_cmf, tiny_stages / "grams.h5", tmp_path / "student.cmf", tmp_path / "student.json",
+         load(EncodeSettings, bpw=2.0, embedding="blr", embedding_bpw=1.5, device="cpu"))
+    name = "model.embed_tokens.weight"
+    student, f16 = read_cmf(tmp_path / "student.cmf"), read_cmf(tiny_stages / "student.cmf")
+    t = student.tensors[name]
+    assert t.dtype == BLR and tuple(t.shape) == tuple(f16.tensors[name].shape)
+    payload = codec.decode(bytes(t.data))
+    row = json.loads((tmp_path / "student.json").read_text())["tensors"][name]
+    assert row["method"] == "blr" and row["rank"] == payload.rank and row["bpw"] <= 1.5
+    assert 0 < row["rel_logit_error"] < 0.5 and 0 < row["rel_error"] < 1
+    assert bits_summary(student)["file_bpw"] < bits_summary(f16)["file_bpw"]
+    assert student.header["provenance"]["nvg_encode"]["embedding_bpw"] == 1.5
+    model = load_model(tmp_path / "student.cmf")
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, BlrVocab) and name in model.blr_linears()
+    assert all(any(p is q for q in trainable(model).values()) for p in (embedding.h, embedding.ell, embedding.g))
+    dense = torch.from_numpy(payload.dequantize())
+    ids = torch.randint(0, dense.shape[0], (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model.head_weight, dense)  # tied: the head is the same matrix
+        torch.testing.assert_close(embedding(ids), dense[ids])
+    trained = train(tmp_path, "trained")
+    block = trained.header["provenance"]["nvg_train"]
+    assert block["heldout_kl_best"] < block["heldout_kl_start"] and verify(tmp_path / "trained.cmf") == []
+    after = codec.decode(bytes(trained.tensors[name].data))
+    assert len(trained.tensors[name].data) == len(t.data) and not np.array_equal(after.paths[0].h, payload.paths[0].h)
+    assert all(np.array_equal(a.u_bits, b.u_bits) and np.array_equal(a.v_bits, b.v_bits) for a, b in zip(after.paths, payload.paths))
+    signed = train(tmp_path, "signed", epochs=1, signs={"enabled": True, "warm": 0, "eta": 0.3})  # its signs train with the body's
+    flipped = codec.decode(bytes(signed.tensors[name].data)).paths[0].signs()[0] != payload.paths[0].signs()[0]
+    assert 0 < flipped.mean() < 0.5 and verify(tmp_path / "signed.cmf") == []
+    export_hf(tmp_path / "trained.cmf", tmp_path / "hf")
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        ours = load_model(tmp_path / "trained.cmf")(ids)
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()(ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    packed, linears = packed_tensors(trained)
+    assert name.removesuffix(".weight") not in linears and packed[name].shape == dense.shape
+
+
+def test_a_blr_embedding_budget_too_small_for_rank_8_is_one_line(tiny_stages, tiny_cmf, tmp_path, capsys):
+    from nvg.budget_reencode import cli
+    from tests.conftest import fails_cleanly
+
+    settings = json.dumps({"bpw": 2.0, "embedding": "blr", "embedding_bpw": 0.01, "device": "cpu"})
+    fails_cleanly(cli, ["--teacher", tiny_cmf, "--grams", tiny_stages / "grams.h5", "--out", tmp_path / "s.cmf",
+                        "--report", tmp_path / "s.json", "--settings", settings], capsys,
+                  "config encode.embedding_bpw", "0.0100 bpw for model.embed_tokens.weight cannot hold even rank 8",
+                  [tmp_path / "s.cmf", tmp_path / "s.json"])
+
+
 @pytest.mark.parametrize("fmt", ["q8_row", "q4_block", "q4tp", "q2tp"])
 def test_gptq_codes_lower_the_error_on_the_inputs_gram_at_the_same_scales(fmt):
     """nvg/gptq.py through `gptq_recoded`: the same scales as plain rounding, codes within the format's range
