@@ -60,8 +60,7 @@ def main(results: Path, only: str = "") -> None:
         return tensor_to_numpy(t), len(t.data)
 
     def blr_matrix(bpw):  # what budget_reencode writes for `encode.embedding: blr` at `embedding_bpw`
-        s = load(EncodeSettings, embedding="blr", embedding_bpw=bpw, device="cpu")
-        t, _ = encode_blr_vocab_matrix("e", E, H, H_sel, s, True, "cpu")
+        t, _ = encode_blr_vocab_matrix("e", E, H, H_sel, bpw, load(EncodeSettings, device="cpu"), True, "cpu")
         return tensor_to_numpy(t), len(t.data)
 
     rows = {"q4_block (cortiq's rounding)": lambda: quantised(Q4_BLOCK), "q4_block, GPTQ λ 0.1": lambda: quantised(Q4_BLOCK, H),

@@ -69,18 +69,18 @@ def gptq_shrunk(q: Tensor, W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, 
     return best, best_shrink
 
 
-def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeSettings, is_head: bool,
-                        device) -> tuple[Tensor, dict]:
-    """The embedding or LM head in `settings.embedding`: scales and first codes as the format rounds them;
+def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeSettings, fmt: str, bpw: float,
+                        is_head: bool, device) -> tuple[Tensor, dict]:
+    """The embedding or LM head in format `fmt` (blr at `bpw`: `encode_blr_vocab_matrix`): scales and first codes as the format rounds them;
     the head (the embedding too when tied) then takes its codes from GPTQ (nvg/gptq.py) under the Gram of
     the hidden states it multiplies, on those scales (with `embedding_shrink`, shrunk by the factor that
     errs least on the logits: `gptq_shrunk`), damped by `embedding_damp` for its role as the embedding
     (teacher alone, SmolLM2: q2tp 15.3× / 9.2× held-out / python-docs perplexity rounded, 3.2× / 3.2× with
     GPTQ). Its error is reported on the logits of the SEL hidden states."""
     H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
-    if settings.embedding == "blr":
-        return encode_blr_vocab_matrix(name, W, H_fit, H_sel, settings, is_head, device)
-    q = dense_tensor(name, W, EMBEDDING_DTYPES[settings.embedding])
+    if fmt == "blr":
+        return encode_blr_vocab_matrix(name, W, H_fit, H_sel, bpw, settings, is_head, device)
+    q = dense_tensor(name, W, EMBEDDING_DTYPES[fmt])
     shrink = {}
     if is_head and W.shape[1] % 32 == 0:  # row-aligned groups (q4_block's run over the flattened matrix)
         if settings.embedding_shrink:
@@ -91,19 +91,19 @@ def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeS
     # tr(D H Dᵀ) through one GEMM: a three-operand np.einsum runs a plain C loop (12.5 s against 0.67 s on a
     # 2-core CPU at SmolLM2's 49152 × 576, float64)
     logit_err = float(((D @ H_sel) * D).sum() / ((W @ H_sel) * W).sum())
-    return q, {"method": settings.embedding, "bpw": 8.0 * len(q.data) / W.size,
+    return q, {"method": fmt, "bpw": 8.0 * len(q.data) / W.size,
                "rel_error": float(np.linalg.norm(D) / np.linalg.norm(W)), "rel_logit_error": logit_err, **shrink}
 
 
-def encode_blr_vocab_matrix(name: str, W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, settings: EncodeSettings,
-                            is_head: bool, device) -> tuple[Tensor, dict]:
-    """The embedding or LM head in BLR at `embedding_bpw`, by the body's encoder: as a linear from the final
+def encode_blr_vocab_matrix(name: str, W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, bpw: float,
+                            settings: EncodeSettings, is_head: bool, device) -> tuple[Tensor, dict]:
+    """The embedding or LM head in BLR at `bpw`, by the body's encoder: as a linear from the final
     hidden states to the logits, so the head (the embedding too when tied) is fitted under those states' Gram
     and its error is the logits'. An untied embedding feeds no logits: it is fitted under the identity
     (every coordinate alike). Token frequencies do not weigh the rows yet."""
     if not is_head:
         H_fit = H_sel = np.eye(W.shape[1], dtype=H_fit.dtype)
-    blr, row = encode_tensor(W, H_fit, H_sel, settings.embedding_bpw, "vocab", 0, settings, device, name)
+    blr, row = encode_tensor(W, H_fit, H_sel, bpw, "vocab", 0, settings, device, name)
     D = blr.dequantize().astype(np.float64) - W
     row["rel_error"] = float(np.linalg.norm(D) / np.linalg.norm(W))
     row["rel_logit_error"] = float(((D @ H_sel) * D).sum() / ((W @ H_sel) * W).sum())
@@ -116,7 +116,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     t_cmf = read_verified(teacher)
     arch = t_cmf.arch
     body = [n for n in t_cmf.tensors if parse_body_linear(n)]
-    plan.check_against(arch["num_layers"], body)
+    plan.check_against(arch["num_layers"], body, t_cmf.tensors)
     budgets = {}  # every budget settled and checked before any encoding, naming the plan line that set it
     for name in body:
         layer, role = parse_body_linear(name)
@@ -127,12 +127,13 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
             need = codec.bits_per_weight(1, 8, *t_cmf.tensors[name].shape)
             raise NvgError(f"{origin}: {bpw:.4f} bpw for {name} cannot hold even rank 8 (the minimum is {need:.4f} bpw)")
         budgets[name] = bpw
-    if settings.embedding == "blr":
-        for name in VOCAB_MATRICES:
-            if name in t_cmf.tensors and codec.max_rank(settings.embedding_bpw, 1, *t_cmf.tensors[name].shape) == 0:
-                need = codec.bits_per_weight(1, 8, *t_cmf.tensors[name].shape)
-                raise NvgError(f"config encode.embedding_bpw: {settings.embedding_bpw:.4f} bpw for {name} cannot hold even rank 8 "
-                               f"(the minimum is {need:.4f} bpw)")
+    vocab = {}  # the embedding's and LM head's (format, bpw if blr), settled and checked as the budgets are
+    for name in (n for n in VOCAB_MATRICES if n in t_cmf.tensors):
+        fmt, bpw, origin = plan.vocab_rule(name, settings.embedding, settings.embedding_bpw)
+        if fmt == "blr" and codec.max_rank(bpw, 1, *t_cmf.tensors[name].shape) == 0:
+            need = codec.bits_per_weight(1, 8, *t_cmf.tensors[name].shape)
+            raise NvgError(f"{origin}: {bpw:.4f} bpw for {name} cannot hold even rank 8 (the minimum is {need:.4f} bpw)")
+        vocab[name] = fmt, bpw
     s_cmf = read_verified(student) if student else None
     if s_cmf is not None:
         check_encoded_from(s_cmf, t_cmf)
@@ -165,19 +166,20 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     for name, t in base.tensors.items():
         if name in payloads:
             tensors.append(Tensor(name, BLR, t.shape, payloads[name]))
-        elif name in VOCAB_MATRICES and settings.embedding != "f16":
-            q, rows[name] = encode_vocab_matrix(name, tensor_to_numpy(t_cmf.tensors[name]), grams, settings,
+        elif name in vocab and vocab[name][0] != "f16":
+            q, rows[name] = encode_vocab_matrix(name, tensor_to_numpy(t_cmf.tensors[name]), grams, settings, *vocab[name],
                                                 is_head=name == "lm_head.weight" or arch.get("tie_word_embeddings", False),
                                                 device=device)
-            print(f"  {name}: {settings.embedding} {rows[name]['bpw']:.3f} bpw, rel error {rows[name]['rel_error']:.4f}, "
+            print(f"  {name}: {vocab[name][0]} {rows[name]['bpw']:.3f} bpw, rel error {rows[name]['rel_error']:.4f}, "
                   f"logits' rel error {rows[name]['rel_logit_error']:.4f}", file=sys.stderr)
             tensors.append(q)
         else:
             tensors.append(Tensor(name, t.dtype, t.shape, t.data))
     header = dict(base.header)
     prov = dict(header.get("provenance", {}))
+    blr_bpw = lambda name: vocab[name][1] if vocab.get(name, ("",))[0] == "blr" else None  # noqa: E731
     prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw,
-                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "embedding": settings.embedding, "embedding_bpw": settings.embedding_bpw if settings.embedding == "blr" else None, "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
+                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "embedding": vocab["model.embed_tokens.weight"][0], "embedding_bpw": blr_bpw("model.embed_tokens.weight"), "lm_head": vocab.get("lm_head.weight", (None,))[0], "lm_head_bpw": blr_bpw("lm_head.weight"), "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov
     header["quant_type"] = "BLR"

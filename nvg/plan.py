@@ -1,13 +1,16 @@
-"""Budget plans: how many bits per weight each body linear gets.
+"""Budget plans: how many bits per weight each body linear gets, and the format of the embedding and LM head.
 
     # comment
     default 0.8
     layer 0 1.2          # one layer
     layer 10-19 0.6      # a range, inclusive
     tensor model.layers.*.mlp.down_proj.weight 1.0    # a name or a glob
+    embedding q2tp       # the token embedding (and the LM head when tied): a format of config encode.embedding
+    lm_head blr 1.5      # an untied LM head; blr takes its bits per weight (else config encode.embedding_bpw)
 
 A tensor rule beats a layer rule beats the default; among rules of one kind a later line beats an
-earlier one. Every error carries its line number and is raised before any model is loaded.
+earlier one. Without an embedding / lm_head line both follow config encode.embedding. Every error carries
+its line number and is raised before any model is loaded.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from pathlib import Path
 from nvg.errors import NvgError
 from nvg.settings import section_schema
 
-# a plan line obeys the same bounds as config encode.bpw: the schema's
+# a plan line obeys the same bounds as config encode.bpw, and names the formats of encode.embedding: the schema's
 _BPW = section_schema("encode")["properties"]["bpw"]
+_VOCAB_FORMATS = section_schema("encode")["properties"]["embedding"]["enum"]
+VOCAB_LINES = {"embedding": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}  # plan keyword → tensor
 
 
 @dataclass
@@ -30,6 +35,15 @@ class Plan:
     default_origin: str = "config encode.bpw"  # where the default came from, for error messages
     layers: list[tuple[int, int, float, int]] = field(default_factory=list)  # (first, last, bpw, line)
     tensors: list[tuple[str, float, int]] = field(default_factory=list)  # (pattern, bpw, line)
+    vocab: dict[str, tuple[str, float | None, int]] = field(default_factory=dict)  # tensor → (format, blr bpw, line)
+
+    def vocab_rule(self, name: str, fmt: str, blr_bpw: float) -> tuple[str, float, str]:
+        """(format, bits per weight if blr, where those bits come from) of the embedding or LM head `name`;
+        `fmt` and `blr_bpw` are config encode.embedding and encode.embedding_bpw."""
+        line_fmt, line_bpw, line = self.vocab.get(name, (fmt, None, None))
+        if line_bpw is not None:
+            return line_fmt, line_bpw, f"{self.source}: line {line}"
+        return line_fmt, blr_bpw, "config encode.embedding_bpw"
 
     def rule_for(self, name: str, layer: int | None, fallback: float) -> tuple[float, str]:
         """(bits per weight, where they come from: the plan line or the config key)."""
@@ -44,8 +58,13 @@ class Plan:
             return self.default, self.default_origin
         return fallback, "config encode.bpw"
 
-    def check_against(self, num_layers: int, names: list[str]) -> None:
-        """Layer rules in range and tensor rules that match something, else an error with the line."""
+    def check_against(self, num_layers: int, names: list[str], tensors=()) -> None:
+        """Layer rules in range, tensor rules that match a body linear and embedding / lm_head lines that
+        name a tensor of the model (`tensors`: all its names), else an error with the line."""
+        for name, (_, _, line) in self.vocab.items():
+            if name not in tensors:
+                tied = " (its LM head is the tied embedding: use an embedding line)" if name == "lm_head.weight" else ""
+                raise NvgError(f"{self.source}: line {line}: the model has no {name}{tied}")
         for first, last, _, line in self.layers:
             if last >= num_layers:
                 raise NvgError(f"{self.source}: line {line}: layer {last} is out of range (the model has {num_layers} layers)")
@@ -83,8 +102,16 @@ def parse_plan(text: str, source: str = "<plan>") -> Plan:
             plan.layers.append((a, b, _bpw(words[2], source, n), n))
         elif kind == "tensor" and len(words) == 3:
             plan.tensors.append((words[1], _bpw(words[2], source, n), n))
+        elif kind in VOCAB_LINES and len(words) in (2, 3):
+            fmt = words[1]
+            if fmt not in _VOCAB_FORMATS:
+                raise NvgError(f"{source}: line {n}: {kind} format {fmt!r} is not one of {', '.join(_VOCAB_FORMATS)}")
+            if len(words) == 3 and fmt != "blr":
+                raise NvgError(f"{source}: line {n}: {kind} {fmt} takes no bits per weight (only blr does)")
+            plan.vocab[VOCAB_LINES[kind]] = (fmt, _bpw(words[2], source, n) if len(words) == 3 else None, n)
         else:
-            raise NvgError(f"{source}: line {n}: expected 'default <bpw>', 'layer <n>|<a>-<b> <bpw>' or 'tensor <name> <bpw>', got {raw.strip()!r}")
+            raise NvgError(f"{source}: line {n}: expected 'default <bpw>', 'layer <n>|<a>-<b> <bpw>', 'tensor <name> <bpw>' "
+                           f"or 'embedding|lm_head <format> [<bpw>]', got {raw.strip()!r}")
     return plan
 
 

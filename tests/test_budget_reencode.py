@@ -38,10 +38,24 @@ def test_plan_precedence():
     ("\n\nlayer 3-1 1.0", "line 3: layer range '3-1' is empty"),
     ("default -1", "line 1: bits per weight -1.0 must be in"),
     ("bits 1.0", "line 1: expected 'default <bpw>'"),
+    ("embedding q3", "line 1: embedding format 'q3' is not one of f16, q8_row"),
+    ("\nlm_head q2tp 2.0", "line 2: lm_head q2tp takes no bits per weight"),
+    ("embedding blr 40", "line 1: bits per weight 40.0 must be in"),
 ])
 def test_plan_syntax_errors_have_line_numbers(text, message):
     with pytest.raises(NvgError, match=message):
         parse_plan(text, "plan.txt")
+
+
+def test_plan_embedding_and_lm_head_lines_beat_config():
+    plan = parse_plan("embedding q2tp\nlm_head blr 1.5\nlm_head blr  # a later line beats an earlier one", "p.txt")
+    assert plan.vocab_rule("model.embed_tokens.weight", "f16", 1.0)[:2] == ("q2tp", 1.0)
+    assert plan.vocab_rule("lm_head.weight", "f16", 1.0) == ("blr", 1.0, "config encode.embedding_bpw")
+    assert parse_plan("lm_head blr 1.5", "p.txt").vocab_rule("lm_head.weight", "f16", 1.0) == ("blr", 1.5, "p.txt: line 1")
+    assert parse_plan("default 1", "p").vocab_rule("lm_head.weight", "q4tp", 1.0)[:2] == ("q4tp", 1.0)  # config's
+    plan.check_against(4, NAMES, [*NAMES, "model.embed_tokens.weight", "lm_head.weight"])
+    with pytest.raises(NvgError, match="p.txt: line 2: the model has no lm_head.weight .its LM head is the tied embedding"):
+        parse_plan("embedding q2tp\nlm_head q4tp", "p.txt").check_against(4, NAMES, [*NAMES, "model.embed_tokens.weight"])
 
 
 def test_plan_errors_against_the_model():
@@ -299,8 +313,9 @@ def test_a_blr_embedding_looks_tokens_up_in_its_factors_trains_its_scales_and_ex
 
     for name in ("windows.h5", "topk.0.h5"):
         shutil.copy(tiny_stages / name, tmp_path / name)
+    (tmp_path / "plan.txt").write_text("embedding blr 1.5\n")  # the plan's line beats config encode.embedding (f16)
     main(tiny_cmf, tiny_stages / "grams.h5", tmp_path / "student.cmf", tmp_path / "student.json",
-         load(EncodeSettings, bpw=2.0, embedding="blr", embedding_bpw=1.5, device="cpu"))
+         load(EncodeSettings, bpw=2.0, device="cpu"), tmp_path / "plan.txt")
     name = "model.embed_tokens.weight"
     student, f16 = read_cmf(tmp_path / "student.cmf"), read_cmf(tiny_stages / "student.cmf")
     t = student.tensors[name]
@@ -345,9 +360,12 @@ def test_a_blr_embedding_budget_too_small_for_rank_8_is_one_line(tiny_stages, ti
     from tests.conftest import fails_cleanly
 
     settings = json.dumps({"bpw": 2.0, "embedding": "blr", "embedding_bpw": 0.01, "device": "cpu"})
-    fails_cleanly(cli, ["--teacher", tiny_cmf, "--grams", tiny_stages / "grams.h5", "--out", tmp_path / "s.cmf",
-                        "--report", tmp_path / "s.json", "--settings", settings], capsys,
-                  "config encode.embedding_bpw", "0.0100 bpw for model.embed_tokens.weight cannot hold even rank 8",
+    argv = ["--teacher", tiny_cmf, "--grams", tiny_stages / "grams.h5", "--out", tmp_path / "s.cmf", "--report", tmp_path / "s.json"]
+    fails_cleanly(cli, [*argv, "--settings", settings], capsys, "config encode.embedding_bpw",
+                  "0.0100 bpw for model.embed_tokens.weight cannot hold even rank 8", [tmp_path / "s.cmf", tmp_path / "s.json"])
+    (tmp_path / "plan.txt").write_text("default 2.0\nembedding blr 0.02\n")  # a plan line's budget, named by its line
+    fails_cleanly(cli, [*argv, "--plan", tmp_path / "plan.txt", "--settings", json.dumps({"device": "cpu"})], capsys,
+                  f"{tmp_path / 'plan.txt'}: line 2", "0.0200 bpw for model.embed_tokens.weight cannot hold even rank 8",
                   [tmp_path / "s.cmf", tmp_path / "s.json"])
 
 
@@ -416,7 +434,7 @@ def test_gptq_picks_the_heads_codes_only_where_groups_lie_within_rows(fmt, monke
         W = rng.normal(size=(50, cols)).astype(np.float32)
         X = rng.normal(size=(500, cols)) @ rng.normal(size=(cols, cols))
         monkeypatch.setattr(budget_reencode, "read_grams", lambda path, layer, name, H=X.T @ X: (H, H, 500, 500))
-        q, row = encode_vocab_matrix("lm_head.weight", W, Path("grams.h5"), load(EncodeSettings, embedding=fmt), True, "cpu")
+        q, row = encode_vocab_matrix("lm_head.weight", W, Path("grams.h5"), load(EncodeSettings), fmt, 1.0, True, "cpu")
         rounded = dense_tensor("lm_head.weight", W, EMBEDDING_DTYPES[fmt])
         assert (bytes(q.data) != bytes(rounded.data)) == gptq, cols
         assert 0 < row["rel_logit_error"] < 0.1 and row["method"] == fmt
@@ -456,6 +474,6 @@ def test_the_heads_scales_shrink_by_the_factor_that_errs_least_on_the_sel_logits
     monkeypatch.setattr(budget_reencode, "read_grams", lambda path, layer, name: (H_fit, H_sel, 1000, 1000))
     for on in (True, False):  # encode.embedding_shrink: the head is encoded so and the report says by what factor
         t, row = budget_reencode.encode_vocab_matrix("lm_head.weight", W, Path("grams.h5"),
-                                                     load(EncodeSettings, embedding="q2tp", embedding_shrink=on), True, "cpu")
+                                                     load(EncodeSettings, embedding_shrink=on), "q2tp", 1.0, True, "cpu")
         assert bytes(t.data) == bytes((best if on else gptq_recoded(q, W, H_fit, 0.1)).data)
         assert row.get("scale_shrink") == (shrink if on else None)

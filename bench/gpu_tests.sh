@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The CUDA tests (tests/test_gpu_fast_paths.py) on the device, within one call's limit, their output in
+# $OUT/gpu_tests.log and its last lines printed. Usage: bash bench/gpu_tests.sh [LIMIT_S] [pytest -k expression]
+# Session 18 lost a call to `timeout 230 python -m pytest … | grep …`: timeout stopped pytest, but inductor's
+# compile workers kept the pipe open, so grep, and the call, waited to the device limit. Here pytest writes to
+# a file, not a pipe, its workers are killed with it (-k), and compilation stays in the process.
+set -uo pipefail
+export PYTHONPATH=/root/site:/root/smk:$PWD TORCHINDUCTOR_COMPILE_THREADS=1
+timeout -k 10 "${1:-240}" python -m pytest -q tests/test_gpu_fast_paths.py ${2:+-k "$2"} > "$OUT/gpu_tests.log" 2>&1
+echo "pytest exit $?"
+grep -E "passed|failed|skipped|FAILED|ERROR" "$OUT/gpu_tests.log" | tail -25
