@@ -71,12 +71,13 @@ def gptq_shrunk(q: Tensor, W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, 
 
 def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeSettings, fmt: str, bpw: float,
                         is_head: bool, device) -> tuple[Tensor, dict]:
-    """The embedding or LM head in format `fmt` (blr at `bpw`: `encode_blr_vocab_matrix`): scales and first codes as the format rounds them;
-    the head (the embedding too when tied) then takes its codes from GPTQ (nvg/gptq.py) under the Gram of
-    the hidden states it multiplies, on those scales (with `embedding_shrink`, shrunk by the factor that
-    errs least on the logits: `gptq_shrunk`), damped by `embedding_damp` for its role as the embedding
-    (teacher alone, SmolLM2: q2tp 15.3× / 9.2× held-out / python-docs perplexity rounded, 3.2× / 3.2× with
-    GPTQ). Its error is reported on the logits of the SEL hidden states."""
+    """The embedding or LM head in format `fmt` (blr at `bpw`: `encode_blr_vocab_matrix`). Else scales and
+    first codes as the format rounds them; the head (the embedding too when tied) then takes its codes from
+    GPTQ (nvg/gptq.py) under the Gram of the hidden states it multiplies, on those scales (with
+    `embedding_shrink`, shrunk by the factor that errs least on the logits: `gptq_shrunk`), damped by
+    `embedding_damp` for its role as the embedding (teacher alone, SmolLM2: q2tp 15.3× / 9.2× held-out /
+    python-docs perplexity rounded, 3.2× / 3.2× with GPTQ). Its error is reported on the logits of the SEL
+    hidden states."""
     H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
     if fmt == "blr":
         return encode_blr_vocab_matrix(name, W, H_fit, H_sel, bpw, settings, is_head, device)
@@ -177,9 +178,9 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
             tensors.append(Tensor(name, t.dtype, t.shape, t.data))
     header = dict(base.header)
     prov = dict(header.get("provenance", {}))
-    blr_bpw = lambda name: vocab[name][1] if vocab.get(name, ("",))[0] == "blr" else None  # noqa: E731
+    blr_bpw = {name: bpw for name, (fmt, bpw) in vocab.items() if fmt == "blr"}
     prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw,
-                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "embedding": vocab["model.embed_tokens.weight"][0], "embedding_bpw": blr_bpw("model.embed_tokens.weight"), "lm_head": vocab.get("lm_head.weight", (None,))[0], "lm_head_bpw": blr_bpw("lm_head.weight"), "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
+                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "embedding": vocab["model.embed_tokens.weight"][0], "embedding_bpw": blr_bpw.get("model.embed_tokens.weight"), "lm_head": vocab.get("lm_head.weight", (None,))[0], "lm_head_bpw": blr_bpw.get("lm_head.weight"), "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov
     header["quant_type"] = "BLR"
