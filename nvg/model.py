@@ -8,6 +8,7 @@ q/k norms when present (Qwen2/Qwen3), and tied embeddings.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -524,9 +525,11 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device(requested)
 
 
+@functools.cache
 def cpu_has_bf16_matmuls() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX): there oneDNN's bf16 GEMM runs
-    4.4× the float32 one (2-core AMD EPYC, 256 × 576 × 1536); elsewhere bf16 is emulated and slower than float32."""
+    4.4× the float32 one (2-core AMD EPYC, 256 × 576 × 1536); elsewhere bf16 is emulated and slower than float32.
+    Asked once a process (each autocast asks)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch's own CPU probes (private: default False)
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
