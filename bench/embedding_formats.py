@@ -1,8 +1,9 @@
 """What each format of the tied embedding / LM head costs the teacher alone (issue #19): the teacher with only
-that matrix replaced, perplexity on held-out windows and on python-docs as a ratio to the unchanged teacher.
+that matrix replaced, perplexity on held-out windows and on python-docs as a ratio to the unchanged teacher;
+then with the matrix untied and replaced only as the LM head (the embedding kept f16).
 
     python bench/embedding_formats.py RESULTS [PREFIX]   (RESULTS: a default run's results/ folder; float32 on the
-    CPU; PREFIX: only the rows whose format starts with it, e.g. blr)
+    CPU; PREFIX: only the rows whose format starts with it, or with one of several, comma-separated: blr,q4tp)
 
 The GPTQ rows use the head-input Gram of the run's Grams file (gram_capture's `head_in`, FIT windows); the
 shrunk rows are what budget_reencode writes with `encode.embedding_shrink` (scales shrunk by the factor that
@@ -23,7 +24,7 @@ from nvg.budget_reencode import encode_blr_vocab_matrix, gptq_recoded, gptq_shru
 from nvg.cmf import Q2TP, Q4_BLOCK, Q4TP, dense_tensor, read_verified, tensor_to_numpy
 from nvg.encoder import EncodeSettings
 from nvg.evaluate import ChatRenderer
-from nvg.model import load_model
+from nvg.model import DenseLinear, load_model
 from nvg.settings import load
 from nvg.sources import source_tokens
 
@@ -75,15 +76,21 @@ def main(results: Path, only: str = "") -> None:
     rows |= {f"{name}, GPTQ λ 0.1, shrunk scales (encode.embedding_shrink)": lambda dtype=dtype: shrunk(dtype)
              for name, dtype in (("q4_block", Q4_BLOCK), ("q4tp", Q4TP), ("q2tp", Q2TP))}
     rows |= {f"blr {bpw} bpw (encode.embedding: blr, head Gram)": lambda bpw=bpw: blr_matrix(bpw) for bpw in (1.0, 2.0)}
-    print("| format | MB | relative squared error | held-out | python-docs |\n|---|---|---|---|---|")
+    print("| format | MB | relative squared error | held-out | python-docs | as the head only: held-out | python-docs |\n"
+          "|---|---|---|---|---|---|---|")
     for name, make in rows.items():
-        if not name.startswith(only):
+        if not name.startswith(tuple(only.split(","))):
             continue
         W, size, *note = make()
-        model.model.embed_tokens.weight.data.copy_(torch.from_numpy(np.asarray(W, np.float32)))
         rel = float(((W - E) ** 2).sum() / (E ** 2).sum())
-        print(f"| {' '.join([name, *note])} | {size / 1e6:.2f} | {rel:.4f} | {perplexity(model, held) / base[0]:.3f}× | "
-              f"{perplexity(model, docs) / base[1]:.3f}× |", flush=True)
+        ratios = []
+        for head_only in (False, True):  # the tied matrix in both roles; then untied, the embedding kept f16
+            model.model.embed_tokens.weight.data.copy_(torch.from_numpy(E if head_only else np.asarray(W, np.float32)))
+            model.lm_head = DenseLinear(torch.from_numpy(np.asarray(W, np.float32)))
+            ratios += [perplexity(model, held) / base[0], perplexity(model, docs) / base[1]]
+            del model.lm_head
+        print(f"| {' '.join([name, *note])} | {size / 1e6:.2f} | {rel:.4f} | " + " | ".join(f"{r:.3f}×" for r in ratios) + " |",
+              flush=True)
 
 if __name__ == "__main__":
     torch.set_num_threads(2)

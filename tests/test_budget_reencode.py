@@ -306,7 +306,7 @@ def test_a_blr_embedding_looks_tokens_up_in_its_factors_trains_its_scales_and_ex
     from nvg import blr as codec
     from nvg.cmf import BLR, verify
     from nvg.distill import trainable
-    from nvg.export_hf import main as export_hf, packed_tensors
+    from nvg.export_hf import main as export_hf
     from nvg.layout import bits_summary
     from nvg.model import BlrVocab, load_model
     from tests.conftest import train
@@ -351,8 +351,13 @@ def test_a_blr_embedding_looks_tokens_up_in_its_factors_trains_its_scales_and_ex
         ours = load_model(tmp_path / "trained.cmf")(ids)
         theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()(ids).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
-    packed, linears = packed_tensors(trained)
-    assert name.removesuffix(".weight") not in linears and packed[name].shape == dense.shape
+    import nvg.hf_quantizer  # noqa: F401  (registers nvg's quantization_config with transformers)
+
+    export_hf(tmp_path / "trained.cmf", tmp_path / "packed", packed=True)  # the body packed, the embedding dense
+    packed = AutoModelForCausalLM.from_pretrained(tmp_path / "packed", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (ours - packed(ids).logits).abs().max().item() <= 1e-4
+    assert name.removesuffix(".weight") not in packed.config.quantization_config.linears
 
 
 def test_a_blr_embedding_budget_too_small_for_rank_8_is_one_line(tiny_stages, tiny_cmf, tmp_path, capsys):
