@@ -37,6 +37,18 @@ class Group:
             dist.all_reduce(values)
         return values
 
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """Whether `flag` is set in any process: every process gets the same answer."""
+        if self.world == 1:
+            return flag
+        votes = torch.tensor([float(flag)], device=device)
+        dist.all_reduce(votes)
+        return bool(votes.item())
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
     def average_grads(self, grads: list[torch.Tensor]) -> None:
         if self.world == 1:
             return

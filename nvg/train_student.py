@@ -243,9 +243,11 @@ def evaluate(run: Run) -> None:
 
 def fit(run: Run) -> None:
     """Steps until `total` (or `stop_after`): one batch each, in a seeded order per epoch; evaluations
-    every `eval_every` steps and a saved state every `state_every`. SIGINT or SIGTERM (one process) ends the
-    step under way, saves the state and stops with one line: a rerun resumes with nothing lost."""
-    with stop_requests() if run.group.world == 1 else contextlib.nullcontext([]) as signals:
+    every `eval_every` steps and a saved state every `state_every`. SIGINT or SIGTERM ends the step under
+    way, saves the state and stops with one line: a rerun resumes with nothing lost. Under torchrun (which
+    passes a SIGTERM on to every process) the processes agree after each step whether any got one, so all
+    stop at the same step, and process 0 has saved before any exits."""
+    with stop_requests() as signals:
         _fit(run, signals)
 
 
@@ -298,10 +300,12 @@ def _fit(run: Run, signals: list[int]) -> None:
             if s.state_every and st.done % s.state_every == 0 and st.done < run.total and run.group.main:
                 st.save(run.state_file, d, run.opt)
                 say(f"  state saved at step {st.done}: {run.state_file}")
-            if signals and st.done < run.total:
-                st.save(run.state_file, d, run.opt)
-                raise NvgError(f"{run.state_file}: {signal.Signals(signals[0]).name} at step {st.done} of {run.total}; "
-                               "the state is saved, rerun to resume")
+            if run.group.any(bool(signals), d.device) and st.done < run.total:
+                if run.group.main:
+                    st.save(run.state_file, d, run.opt)
+                run.group.barrier()
+                what = signal.Signals(signals[0]).name if signals else "a signal to another process"
+                raise NvgError(f"{run.state_file}: {what} at step {st.done} of {run.total}; the state is saved, rerun to resume")
 
 
 def codes_changed(model) -> dict[str, float]:

@@ -203,6 +203,42 @@ def test_two_processes_under_torchrun_match_one(stage_inputs):
                 assert torch.allclose(torch.from_numpy(va), torch.from_numpy(vb), rtol=2e-3, atol=1e-4), name
 
 
+def test_sigterm_to_torchrun_stops_both_processes_at_one_step_and_the_rerun_ends_identical(stage_inputs):
+    """A scheduler's SIGTERM to torchrun, which passes it on to its two processes, mid-training: both stop
+    after the same step, process 0 saves the state there (`state_every: 0`, so no other save exists), the job
+    fails with one line; the rerun resumes there and writes the bytes of an uninterrupted two-process run."""
+    import signal
+    import subprocess
+    import sys
+
+    d = stage_inputs
+
+    def torchrun(name):
+        settings = {"epochs": 4, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 0, "gpus": 2,
+                    "precision": "fp32", "state_root": str(d / f"state-{name}")}
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                                 "-m", "nvg.train_student", "--student", str(d / "student.cmf"), "--windows", str(d / "windows.h5"),
+                                 "--topk", str(d / "topk.0.h5"), "--out", str(d / f"{name}.cmf"), "--metrics",
+                                 str(d / f"{name}.jsonl"), "--settings", json.dumps(settings)],
+                                stderr=subprocess.PIPE, text=True)
+
+    whole = torchrun("two-whole")
+    assert whole.wait(600) == 0, whole.stderr.read()[-3000:]
+    signalled = torchrun("two-signalled")
+    for line in signalled.stderr:
+        if " step 2/24 " in line:
+            signalled.send_signal(signal.SIGTERM)
+            break
+    err = signalled.stderr.read()
+    assert signalled.wait(600) != 0 and not (d / "two-signalled.cmf").exists()
+    state = next((d / "state-two-signalled").glob("*/state.safetensors"))
+    done = saved_counters(state)["done"]
+    assert 2 <= done < 24 and f"SIGTERM at step {done} of 24; the state is saved, rerun to resume" in err, err[-3000:]
+    rerun = torchrun("two-signalled")
+    assert rerun.wait(600) == 0, rerun.stderr.read()[-3000:]
+    assert (d / "two-signalled.cmf").read_bytes() == (d / "two-whole.cmf").read_bytes()
+
+
 def test_a_live_teacher_gives_full_vocabulary_and_hidden_state_targets(stage_inputs):
     out = train(stage_inputs, "live", targets="live", hidden_weight=1.0)
     block = out.header["provenance"]["nvg_train"]
