@@ -3,11 +3,12 @@ that matrix replaced, perplexity on held-out windows and on python-docs as a rat
 then with the matrix untied and replaced only as the LM head (the embedding kept f16).
 
     python bench/embedding_formats.py RESULTS [PREFIX]   (RESULTS: a default run's results/ folder; float32 on the
-    CPU; PREFIX: only the rows whose format starts with it, or with one of several, comma-separated: blr,q4tp)
+    CPU; PREFIX: only the rows whose format starts with it, or with one of several: "blr|q4tp, GPTQ")
 
 The GPTQ rows use the head-input Gram of the run's Grams file (gram_capture's `head_in`, FIT windows); the
 shrunk rows are what budget_reencode writes with `encode.embedding_shrink` (scales shrunk by the factor that
-errs least on the SEL Gram), the blr rows what it writes with `encode.embedding: blr`.
+errs least on the SEL Gram), the blr rows what it writes with `encode.embedding: blr`; the last rows try a
+GPTQ damping per row by the token's frequency in the training windows (not in budget_reencode).
 """
 
 from __future__ import annotations
@@ -76,10 +77,21 @@ def main(results: Path, only: str = "") -> None:
     rows |= {f"{name}, GPTQ λ 0.1, shrunk scales (encode.embedding_shrink)": lambda dtype=dtype: shrunk(dtype)
              for name, dtype in (("q4_block", Q4_BLOCK), ("q4tp", Q4TP), ("q2tp", Q2TP))}
     rows |= {f"blr {bpw} bpw (encode.embedding: blr, head Gram)": lambda bpw=bpw: blr_matrix(bpw) for bpw in (1.0, 2.0)}
+    counts = np.bincount(tokens[: int(attrs["n_train"])].ravel(), minlength=E.shape[0])
+
+    def by_frequency(damps):  # GPTQ's λ per row by how often its token occurs in the training windows
+        W, size = np.empty_like(E), 0
+        for rows, damp in zip((counts == 0, (counts > 0) & (counts < 4), counts >= 4), damps):
+            t = gptq_recoded(dense_tensor("e", E[rows], Q2TP), E[rows], H, damp)
+            W[rows], size = tensor_to_numpy(t), size + len(t.data)
+        return W, size
+
+    rows |= {f"q2tp, GPTQ λ {damps} for tokens seen 0 / 1–3 / ≥ 4 times": lambda damps=damps: by_frequency(damps)
+             for damps in ((0.03, 0.3, 1.0), (0.1, 0.3, 1.0), (0.1, 1.0, 3.0), (0.03, 0.1, 0.3))}
     print("| format | MB | relative squared error | held-out | python-docs | as the head only: held-out | python-docs |\n"
           "|---|---|---|---|---|---|---|")
     for name, make in rows.items():
-        if not name.startswith(tuple(only.split(","))):
+        if not name.startswith(tuple(only.split("|"))):
             continue
         W, size, *note = make()
         rel = float(((W - E) ** 2).sum() / (E ** 2).sum())
