@@ -28,11 +28,11 @@ from nvg.gptq import gptq_codes
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
 from nvg.model import nearest_code, pick_device
-from nvg.plan import read_plan
+from nvg.plan import VOCAB_LINES, read_plan
 from nvg.progress import bar
 from nvg.settings import SETTINGS_HELP, load
 
-VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # `encode.embedding` sets their format
+VOCAB_MATRICES = tuple(VOCAB_LINES.values())  # `encode.embedding`, or a plan line, sets their format
 EMBEDDING_DTYPES = {"q8_row": Q8_ROW, "q4_block": Q4_BLOCK, "q4tp": Q4TP, "q2tp": Q2TP}
 
 
