@@ -3,6 +3,7 @@
 # ../shared/tools/stage-teacher-for-device's three calls (snakemake and the wheels under /root).
 #   bash bench/ablation.sh prefix              the stages every variant shares (teacher → generated corpus →
 #                                              windows → top-k → Grams → encoded student), here, on GPU 0
+#   bash bench/ablation.sh cache-out           the compiled kernels to $OUT/inductor.tgz, for the next session
 #   bash bench/ablation.sh run NAME[:GPU] ...  each variant (bench/ablation/NAME.yaml over base.yaml) in its
 #                                              own copy of this checkout with those results, one per GPU, in
 #                                              parallel; then its eval.json, metrics, logs and stage times to $OUT
@@ -17,6 +18,15 @@
 set -euo pipefail
 export PYTHONPATH=/root/site:/root/smk:$PWD PATH=/root/smk/bin:$PATH PYTHONUNBUFFERED=1
 BASE=bench/ablation/base.yaml
+# Compiled kernels outlive the machine: every job compiles into /root/inductor (inductor's FX graphs and Triton
+# kernels), `cache-out` packs it into $OUT/inductor.tgz, and a later session that carries it as .device/inductor.tgz
+# (beside the snakemake wheels in the third staging call) starts from it: a cold machine spent about 140 s compiling
+# the decoder and 68 s train_student's first step in session 19. Inductor keys each entry by the graph, the
+# settings and the torch version, so a changed model compiles anew.
+export TORCHINDUCTOR_CACHE_DIR=/root/inductor
+if [[ -f .device/inductor.tgz && ! -d $TORCHINDUCTOR_CACHE_DIR ]]; then
+  mkdir -p $TORCHINDUCTOR_CACHE_DIR && tar xzf .device/inductor.tgz -C $TORCHINDUCTOR_CACHE_DIR
+fi
 # Every device call copies this checkout afresh, so every source file has a new mtime and Snakemake's
 # default triggers would rerun the shared prefix in each variant's copy (session 7 lost ~3 GPU minutes
 # a variant, and its variants trained on different corpora). A changed setting or rule still reruns.
@@ -51,5 +61,8 @@ run)
   done
   wait
   for spec in "$@"; do tail -1 "/root/ablation/${spec%%:*}/snakemake.log"; done
+  ;;
+cache-out)
+  tar czf "$OUT/inductor.tgz" -C $TORCHINDUCTOR_CACHE_DIR . && du -h "$OUT/inductor.tgz"
   ;;
 esac

@@ -7,8 +7,8 @@ kernels, which is what bounds small-model decoding. Two more things keep the ste
   * attention reads the cache only up to the next multiple of `KV_BUCKET` past the position (one graph
     per bucket), not the whole `max_len`: at 1024 tokens that halves the cache traffic on average;
   * the draw is Gumbel-max inside the graph (argmax of logits/T + Gumbel noise samples the softmax
-    exactly), so no [batch, vocab] tensor leaves the graph. top-k / top-p need the sorted logits and
-    are drawn outside it.
+    exactly), so no [batch, vocab] tensor leaves the graph; top-k / top-p restrict it in the graph too
+    (`sample`: top-k draws among the k largest logits only).
 On the CPU the same code runs eager, in float32. Draws use the global RNG: seed it with `torch.manual_seed`."""
 
 from __future__ import annotations
@@ -41,19 +41,21 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Next ids [b] from logits [b, vocab]: a draw from softmax(logits / temperature) restricted to the
-    top_k ids (0 = all) and to the smallest set whose probability reaches top_p (1.0 = all)."""
+    top_k ids (0 = all) and to the smallest set whose probability reaches top_p (1.0 = all). Every shape is
+    fixed, so the draw compiles into the decoder's graph; with top_k, Gumbel-max runs over the k largest
+    logits only ([b, k], already sorted for top_p), not over the vocabulary."""
     if temperature <= 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    logits, ids = logits.float() / temperature, None
     if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits, ids = logits.topk(top_k, dim=-1)
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        p = sorted_logits.softmax(-1)
-        drop = p.cumsum(-1) - p >= top_p  # keep ids until the mass before them reaches top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return gumbel_argmax(logits, 1.0)
+        if ids is None:
+            logits, ids = logits.sort(dim=-1, descending=True)
+        p = logits.softmax(-1)
+        logits = logits.masked_fill(p.cumsum(-1) - p >= top_p, float("-inf"))  # kept until the mass before reaches top_p
+    choice = gumbel_argmax(logits, 1.0)
+    return choice if ids is None else ids.gather(-1, choice[:, None])[:, 0]
 
 
 class Decoder:
@@ -72,7 +74,6 @@ class Decoder:
         model.setup_cache(batch, max_len, half.get(self.precision, torch.float32))
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # updated in place: a static graph input
         self.greedy = torch.zeros((), dtype=torch.bool, device=device)
-        self.plain = top_k == 0 and top_p >= 1.0  # the whole draw fits in the graph
         self.step = self._step
         if device.type == "cuda":
             self.step = torch.compile(self._step, fullgraph=True, options=COMPILE_OPTIONS)
@@ -81,9 +82,7 @@ class Decoder:
         with autocast(self.device, self.precision):
             h = self.model.decode(ids[:, None], pos, kv_len)[:, -1]
             logits = F.linear(h, self.model.head_weight.to(h.dtype)).float()
-        if not self.plain:
-            return logits
-        return torch.where(greedy, logits.argmax(-1), gumbel_argmax(logits, self.temperature))
+        return torch.where(greedy, logits.argmax(-1), sample(logits, self.temperature, self.top_k, self.top_p))
 
     @torch.no_grad()
     def next_ids(self, ids: torch.Tensor, pos: int, greedy: bool) -> torch.Tensor:
@@ -92,7 +91,4 @@ class Decoder:
         self.pos.fill_(pos)
         self.greedy.fill_(greedy)
         kv_len = min(self.max_len, (pos // KV_BUCKET + 1) * KV_BUCKET)
-        out = self.step(ids, self.pos, self.greedy, kv_len)
-        if self.plain:
-            return out.clone()
-        return out.argmax(-1) if greedy else sample(out, self.temperature, self.top_k, self.top_p)
+        return self.step(ids, self.pos, self.greedy, kv_len).clone()

@@ -65,6 +65,23 @@ def test_sampling_restrictions():
         assert (freq - (logits[0] / temperature).softmax(-1)).abs().max() < 0.04
 
 
+def test_the_decoder_draws_inside_top_k_and_top_p(tiny_cmf):
+    """The decoding step applies top-k / top-p itself (in its compiled graph on CUDA): top-k 1, or a top-p
+    below any token's mass, decodes exactly as greedy does at every position."""
+    def decode(greedy=False, **draw):
+        decoder, ids, out = Decoder(load_model(tiny_cmf), 6, 24, torch.device("cpu"), "fp32", **draw), torch.arange(6) + 5, []
+        for pos in range(23):
+            ids = decoder.next_ids(ids, pos, greedy=greedy)
+            out.append(ids)
+        return torch.stack(out, 1)
+
+    greedy = decode(greedy=True)
+    torch.manual_seed(0)
+    assert torch.equal(decode(temperature=1.0, top_k=1), greedy)
+    assert torch.equal(decode(temperature=1.0, top_p=1e-6), greedy)
+    assert not torch.equal(decode(temperature=1.0, top_k=50), greedy)  # a wider top-k does sample
+
+
 @pytest.fixture(scope="module")
 def corpus(tiny_cmf, tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")

@@ -279,6 +279,27 @@ def test_sampled_decoding_on_cuda_draws_the_same_tokens_from_two_cold_compiles(t
     assert torch.equal(runs[0], runs[1])
 
 
+def test_top_k_decoding_on_cuda_draws_in_the_graph_as_the_cpu_does(tiny_cmf):
+    """top-k is drawn inside the compiled step (`nvg.decoding.sample`): top-k 1 decodes as greedy does, and
+    top-k 50 from one seed draws the same tokens twice."""
+    from nvg.decoding import Decoder
+    from nvg.model import load_model
+
+    dev = torch.device("cuda")
+
+    def decode(seed, greedy=False, **draw):
+        decoder = Decoder(load_model(tiny_cmf, dev), 8, 100, dev, "bf16", **draw)
+        torch.manual_seed(seed)
+        ids, out = torch.arange(8, device=dev) + 5, []
+        for pos in range(99):
+            ids = decoder.next_ids(ids, pos, greedy=greedy)
+            out.append(ids)
+        return torch.stack(out, 1).cpu()
+
+    assert torch.equal(decode(0, temperature=1.0, top_k=1), decode(0, greedy=True))
+    assert torch.equal(decode(1234, temperature=1.0, top_k=50), decode(1234, temperature=1.0, top_k=50))
+
+
 def test_sampled_decoding_on_cuda_draws_the_same_tokens_twice_past_one_key_block(tmp_path):
     """Session 17's fault at the real corpus's scale: on the H200 the real teacher's 512-sequence batches from
     one seed agreed up to position 64 and diverged after it in every sequence, run after run. SmolLM2's
