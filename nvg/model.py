@@ -170,13 +170,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class KVCache(nn.Module):
-    """Static K/V buffers of one attention layer, [batch, kv_heads, max_len, head_dim] (as gpt-fast's):
+    """Static K/V buffers of one attention layer, [batch, kv_heads, max_len + 1, head_dim] (as gpt-fast's):
     a decoding step writes its positions in place, so every step has the same shapes, which is what
     lets a compiled step be captured once as a CUDA graph and replayed."""
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
         super().__init__()
-        shape = (batch, kv_heads, max_len, head_dim)
+        # one position more than a step ever reads: a slice [:kv_len] is then never the whole buffer, so it has one
+        # memory layout at every kv_len, and the compiled step is not compiled again for the last bucket (torch
+        # guards on whether the slice is contiguous)
+        shape = (batch, kv_heads, max_len + 1, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 

@@ -82,6 +82,29 @@ def test_the_decoder_draws_inside_top_k_and_top_p(tiny_cmf):
     assert not torch.equal(decode(temperature=1.0, top_k=50), greedy)  # a wider top-k does sample
 
 
+def test_the_decoding_step_compiles_twice_over_four_cache_buckets(tiny_cmf, monkeypatch):
+    """Each compile of the CUDA decoding step cost about a minute on the H200. The step is compiled for the
+    first cache bucket, then once more with the cache length symbolic for all the others, the last (the
+    whole cache) included. Counted with dynamo alone (a backend that runs the traced graph), on the CPU."""
+    import nvg.decoding
+
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(nvg.decoding, "KV_BUCKET", 64)
+    torch._dynamo.reset()
+    decoder = Decoder(load_model(tiny_cmf), 4, 256, torch.device("cpu"), "fp32")
+    decoder.step = torch.compile(decoder._step, fullgraph=True, backend=count)
+    ids = torch.arange(4) + 5
+    for pos in range(255):  # cache lengths 64, 128, 192 and 256
+        ids = decoder.next_ids(ids, pos, greedy=pos < 3)
+    torch._dynamo.reset()
+    assert len(graphs) == 2
+
+
 @pytest.fixture(scope="module")
 def corpus(tiny_cmf, tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
