@@ -41,6 +41,11 @@ prefix)
   ;;
 run)
   shift
+  # GPU_TESTS (a pytest -k expression, or "all") runs bench/gpu_tests.sh beside the variants, waited for with them
+  if [[ -n ${GPU_TESTS:-} ]]; then
+    expr=$GPU_TESTS; [[ $expr == all ]] && expr=""
+    bash bench/gpu_tests.sh "${GPU_TESTS_LIMIT_S:-300}" "$expr" > "$OUT/gpu_tests.txt" 2>&1 &
+  fi
   for spec in "$@"; do
     name=${spec%%:*}; gpu=${spec#*:}; [[ $gpu == "$spec" ]] && gpu=0
     dir=/root/ablation/$name
@@ -61,6 +66,7 @@ run)
   done
   wait
   for spec in "$@"; do tail -1 "/root/ablation/${spec%%:*}/snakemake.log"; done
+  [[ -z ${GPU_TESTS:-} ]] || cat "$OUT/gpu_tests.txt"
   ;;
 cache-out)
   tar czf "$OUT/inductor.tgz" -C $TORCHINDUCTOR_CACHE_DIR . && du -h "$OUT/inductor.tgz"

@@ -4,9 +4,9 @@
 # Session 18 lost a call to `timeout 230 python -m pytest … | grep …`: timeout stopped pytest, but inductor's
 # compile workers kept the pipe open, so grep, and the call, waited to the device limit. Here pytest writes to
 # a file, not a pipe, its workers are killed with it (-k), and compilation stays in the process.
-# Beside another job in one call (session 19: with the corpus's generation): `bash bench/gpu_tests.sh 300 & tests=$!;
-# …; wait $tests`. Not `while pgrep -f "pytest …"`: the pattern is in the call's own command line, so it waits
-# for itself to the call's limit (session 19 lost 4 device minutes so).
+# Beside a variant's run in one call: `GPU_TESTS="decod or top_k" bash bench/ablation.sh run NAME` (or GPU_TESTS=all),
+# which waits for both. Not `while pgrep -f "pytest …"`: the pattern is in the call's own command line, so it
+# waits for itself to the call's limit (session 19 lost 4 device minutes so).
 set -uo pipefail
 export PYTHONPATH=/root/site:/root/smk:$PWD TORCHINDUCTOR_COMPILE_THREADS=1
 timeout -k 10 "${1:-240}" python -m pytest -q tests/test_gpu_fast_paths.py ${2:+-k "$2"} > "$OUT/gpu_tests.log" 2>&1
