@@ -111,6 +111,13 @@ def encode_blr_vocab_matrix(name: str, W: np.ndarray, H_fit: np.ndarray, H_sel: 
     return Tensor(name, BLR, W.shape, blr.encode()), {**row, "method": "blr"}
 
 
+def check_room(name: str, shape, bpw: float, origin: str) -> None:
+    """A BLR budget must hold rank 8 at one path; else one error line naming where the budget came from."""
+    if codec.max_rank(bpw, 1, *shape) == 0:
+        need = codec.bits_per_weight(1, 8, *shape)
+        raise NvgError(f"{origin}: {bpw:.4f} bpw for {name} cannot hold even rank 8 (the minimum is {need:.4f} bpw)")
+
+
 def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSettings,
          plan_path: Path | None = None, student: Path | None = None) -> None:
     plan = read_plan(plan_path, settings.bpw)  # plan errors come before any model is read
@@ -124,16 +131,13 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
         bpw, origin = plan.rule_for(name, layer, settings.bpw)
         if role in ("k", "v") and settings.kv_factor != 1.0:
             bpw, origin = bpw * settings.kv_factor, f"{origin} × config encode.kv_factor {settings.kv_factor}"
-        if codec.max_rank(bpw, 1, *t_cmf.tensors[name].shape) == 0:
-            need = codec.bits_per_weight(1, 8, *t_cmf.tensors[name].shape)
-            raise NvgError(f"{origin}: {bpw:.4f} bpw for {name} cannot hold even rank 8 (the minimum is {need:.4f} bpw)")
+        check_room(name, t_cmf.tensors[name].shape, bpw, origin)
         budgets[name] = bpw
     vocab = {}  # the embedding's and LM head's (format, bpw if blr), settled and checked as the budgets are
     for name in (n for n in VOCAB_MATRICES if n in t_cmf.tensors):
         fmt, bpw, origin = plan.vocab_rule(name, settings.embedding, settings.embedding_bpw)
-        if fmt == "blr" and codec.max_rank(bpw, 1, *t_cmf.tensors[name].shape) == 0:
-            need = codec.bits_per_weight(1, 8, *t_cmf.tensors[name].shape)
-            raise NvgError(f"{origin}: {bpw:.4f} bpw for {name} cannot hold even rank 8 (the minimum is {need:.4f} bpw)")
+        if fmt == "blr":
+            check_room(name, t_cmf.tensors[name].shape, bpw, origin)
         vocab[name] = fmt, bpw
     s_cmf = read_verified(student) if student else None
     if s_cmf is not None:

@@ -58,7 +58,7 @@ class Plan:
             return self.default, self.default_origin
         return fallback, "config encode.bpw"
 
-    def check_against(self, num_layers: int, names: list[str], tensors=()) -> None:
+    def check_against(self, num_layers: int, names: list[str], tensors) -> None:
         """Layer rules in range, tensor rules that match a body linear and embedding / lm_head lines that
         name a tensor of the model (`tensors`: all its names), else an error with the line."""
         for name, (_, _, line) in self.vocab.items():

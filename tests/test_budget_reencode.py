@@ -23,7 +23,7 @@ NAMES = [f"model.layers.{i}.{s}.weight" for i in range(4) for s in ("self_attn.q
 def test_plan_precedence():
     plan = parse_plan("# budgets\ndefault 0.8\nlayer 0-3 1.0\nlayer 2 0.5\ntensor model.layers.*.mlp.down_proj.weight 1.5\n"
                       "tensor model.layers.3.mlp.down_proj.weight 0.3  # later beats earlier\n")
-    plan.check_against(4, NAMES)
+    plan.check_against(4, NAMES, NAMES)
     assert plan.rule_for("model.layers.1.self_attn.q_proj.weight", 1, 9)[0] == 1.0
     assert plan.rule_for("model.layers.2.self_attn.q_proj.weight", 2, 9)[0] == 0.5
     assert plan.rule_for("model.layers.2.mlp.down_proj.weight", 2, 9)[0] == 1.5
@@ -60,9 +60,9 @@ def test_plan_embedding_and_lm_head_lines_beat_config():
 
 def test_plan_errors_against_the_model():
     with pytest.raises(NvgError, match="line 2: layer 9 is out of range"):
-        parse_plan("default 1\nlayer 5-9 1.0", "p").check_against(4, NAMES)
+        parse_plan("default 1\nlayer 5-9 1.0", "p").check_against(4, NAMES, NAMES)
     with pytest.raises(NvgError, match="line 1: tensor rule 'model.layers.0.mlp.up_proj.weight' matches no"):
-        parse_plan("tensor model.layers.0.mlp.up_proj.weight 1.0", "p").check_against(4, NAMES)
+        parse_plan("tensor model.layers.0.mlp.up_proj.weight 1.0", "p").check_against(4, NAMES, NAMES)
 
 
 def correlated_problem(seed=0, d_out=96, d_in=128, tokens=2048):
