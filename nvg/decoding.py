@@ -62,7 +62,9 @@ class Decoder:
     """Decodes `batch` sequences of up to `max_len` tokens together with `model` (dense or BLR)."""
 
     def __init__(self, model, batch: int, max_len: int, device: torch.device, precision: str,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, backend: str | None = None):
+        """`backend` compiles the step with torch.compile (default: inductor on CUDA, none on the CPU; the tests
+        pass a recording backend to see the graphs dynamo traces on the CPU)."""
         # On the CPU a step feeds one token per sequence, so bf16 autocast would cast every weight each step for
         # a few rows of work: the default job's 64 × 256 tokens took 111.8 s so, against 88.8 s in float32.
         self.model, self.device = model, device
@@ -75,8 +77,15 @@ class Decoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # updated in place: a static graph input
         self.greedy = torch.zeros((), dtype=torch.bool, device=device)
         self.step = self._step
-        if device.type == "cuda":
-            self.step = torch.compile(self._step, fullgraph=True, options=COMPILE_OPTIONS)
+        backend = backend or ("inductor" if device.type == "cuda" else None)
+        if backend:
+            # Dynamo keeps one compile state per code object, shared by every Decoder in the process: traced again
+            # for a Decoder whose top_k differs from an earlier one's, it makes k a symbolic size, and inductor
+            # cannot split that top-k's reduction on CUDA ("CantSplit: 8 not divisible by 8*s3", session 20). A
+            # new Decoder is traced anew anyway (new cache and weights), so it starts from a clean state.
+            torch.compiler.reset()
+            options = COMPILE_OPTIONS if backend == "inductor" else None
+            self.step = torch.compile(self._step, fullgraph=True, backend=backend, options=options)
 
     def _step(self, ids: torch.Tensor, pos: torch.Tensor, greedy: torch.Tensor, kv_len: int) -> torch.Tensor:
         with autocast(self.device, self.precision):

@@ -95,14 +95,31 @@ def test_the_decoding_step_compiles_twice_over_four_cache_buckets(tiny_cmf, monk
         return gm.forward
 
     monkeypatch.setattr(nvg.decoding, "KV_BUCKET", 64)
-    torch._dynamo.reset()
-    decoder = Decoder(load_model(tiny_cmf), 4, 256, torch.device("cpu"), "fp32")
-    decoder.step = torch.compile(decoder._step, fullgraph=True, backend=count)
+    decoder = Decoder(load_model(tiny_cmf), 4, 256, torch.device("cpu"), "fp32", backend=count)
     ids = torch.arange(4) + 5
     for pos in range(255):  # cache lengths 64, 128, 192 and 256
         ids = decoder.next_ids(ids, pos, greedy=pos < 3)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     assert len(graphs) == 2
+
+
+def test_a_second_decoder_traces_its_top_k_as_a_constant(tiny_cmf):
+    """Dynamo's compile state is per code object: a Decoder traced after one with another top_k made k a
+    symbolic size, and on the H200 inductor could not compile that top-k (session 20's CUDA test). Each
+    Decoder starts from a clean state, so k stays the constant it is."""
+    top_k_args = []
+
+    def record(gm, example_inputs):
+        top_k_args.extend(n.args[1] for n in gm.graph.nodes if n.target in (torch.topk, "topk"))
+        return gm.forward
+
+    for k in (1, 50):
+        decoder = Decoder(load_model(tiny_cmf), 4, 16, torch.device("cpu"), "fp32", top_k=k, backend=record)
+        ids = torch.arange(4) + 5
+        for pos in range(4):
+            ids = decoder.next_ids(ids, pos, greedy=False)
+    torch.compiler.reset()
+    assert top_k_args == [1, 50]
 
 
 @pytest.fixture(scope="module")

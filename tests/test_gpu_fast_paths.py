@@ -281,17 +281,20 @@ def test_sampled_decoding_on_cuda_draws_the_same_tokens_from_two_cold_compiles(t
 
 def test_top_k_decoding_on_cuda_draws_in_the_graph_as_the_cpu_does(tiny_cmf):
     """top-k is drawn inside the compiled step (`nvg.decoding.sample`): top-k 1 decodes as greedy does, and
-    top-k 50 from one seed draws the same tokens twice."""
-    from nvg.decoding import Decoder
+    top-k 50 from one seed draws the same tokens twice, over two cache buckets (the second graph's cache length
+    is symbolic). Session 20 ran it on the H200 with 100 positions: the third Decoder's top-k, traced after
+    two others with another top_k, failed to compile (k symbolic, "CantSplit"); each Decoder now starts clean."""
+    from nvg.decoding import KV_BUCKET, Decoder
     from nvg.model import load_model
 
     dev = torch.device("cuda")
+    length = KV_BUCKET + 44
 
     def decode(seed, greedy=False, **draw):
-        decoder = Decoder(load_model(tiny_cmf, dev), 8, 100, dev, "bf16", **draw)
+        decoder = Decoder(load_model(tiny_cmf, dev), 8, length, dev, "bf16", **draw)
         torch.manual_seed(seed)
         ids, out = torch.arange(8, device=dev) + 5, []
-        for pos in range(99):
+        for pos in range(length - 1):
             ids = decoder.next_ids(ids, pos, greedy=greedy)
             out.append(ids)
         return torch.stack(out, 1).cpu()
