@@ -4,6 +4,7 @@
 #   bash bench/ablation.sh prefix              the stages every variant shares (teacher → generated corpus →
 #                                              windows → top-k → Grams → encoded student), here, on GPU 0
 #   bash bench/ablation.sh cache-out           the compiled kernels to $OUT/inductor.tgz, for the next session
+#   bash bench/ablation.sh corpus-out          the generated corpus to $OUT/corpus/, for the next session
 #   bash bench/ablation.sh run NAME[:GPU] ...  each variant (bench/ablation/NAME.yaml over base.yaml) in its
 #                                              own copy of this checkout with those results, one per GPU, in
 #                                              parallel; then its eval.json, metrics, logs and stage times to $OUT
@@ -31,6 +32,22 @@ fi
 # default triggers would rerun the shared prefix in each variant's copy (session 7 lost ~3 GPU minutes
 # a variant, and its variants trained on different corpora). A changed setting or rule still reruns.
 TRIGGERS="--rerun-triggers params input software-env code"
+# The teacher's text outlives the machine too: `corpus-out` gzips each shard to $OUT/corpus/, a later session
+# carries that folder as .device/corpus (its own staging call) and starts from it: generating base.yaml's shard
+# took 212 s of the 30 device minutes in session 20 (122 s of it compiling the decoder), the wide corpus's
+# two shards about 300. Snakemake has no record of the carried shards, so the teacher is imported first and
+# the shards touched after it (else their older mtime reruns them); tokenize_windows still checks each shard's
+# teacher, place and token digest. The shards must be what the config's generate_corpus would write: the
+# digests printed here are compared with the log of the session that made them.
+if compgen -G ".device/corpus/generated.*.h5.gz" > /dev/null && [[ ! -d results/corpus && $1 != *-out ]]; then
+  mkdir -p results/corpus
+  for z in .device/corpus/generated.*.h5.gz; do gunzip -c "$z" > "results/corpus/$(basename "${z%.gz}")"; done
+  snakemake --cores 16 results/teacher.cmf $TRIGGERS --quiet rules --configfile $BASE 2>&1 | tail -3
+  touch results/corpus/*.h5
+  python -c "import h5py, sys
+for p in sys.argv[1:]:
+    with h5py.File(p, 'r') as f: print(p, 'carried:', f.attrs['tokens_blake2b'], f.attrs['settings'])" results/corpus/*.h5
+fi
 case $1 in
 prefix)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -67,6 +84,11 @@ run)
   wait
   for spec in "$@"; do tail -1 "/root/ablation/${spec%%:*}/snakemake.log"; done
   [[ -z ${GPU_TESTS:-} ]] || cat "$OUT/gpu_tests.txt"
+  ;;
+corpus-out)
+  mkdir -p "$OUT/corpus"
+  for h in results/corpus/generated.*.h5; do gzip -1 -c "$h" > "$OUT/corpus/$(basename "$h").gz"; done
+  du -h "$OUT"/corpus/*
   ;;
 cache-out)
   tar czf "$OUT/inductor.tgz" -C $TORCHINDUCTOR_CACHE_DIR . && du -h "$OUT/inductor.tgz"

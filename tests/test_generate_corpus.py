@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import h5py
 import numpy as np
@@ -170,9 +171,17 @@ def test_tokenize_windows_cuts_generated_sequences_into_windows(corpus, tiny_cmf
     assert {tuple(w) for w in windows} == expected
     # a corpus written by another teacher is refused, naming the shard
     other = tmp_path / "other.h5"
-    with h5py.File(other, "w") as f:
-        f["tokens"] = generated
+    shutil.copy(shards[0], other)
+    with h5py.File(other, "r+") as f:
         f.attrs["teacher_hash"] = "0000000000000000"
-    fails_cleanly(tokenize_windows.cli, ["--teacher", tiny_cmf, "--out", tmp_path / "x.h5", "--generated", other,
-                                         "--settings", json.dumps({"sources": [{"path": "generated"}], "window": 16})],
-                  capsys, str(other), "is not this teacher's", [tmp_path / "x.h5"])
+    args = lambda *shards: ["--teacher", tiny_cmf, "--out", tmp_path / "x.h5", "--generated", *shards,  # noqa: E731
+                            "--settings", json.dumps({"sources": [{"path": "generated"}], "window": 16})]
+    fails_cleanly(tokenize_windows.cli, args(other), capsys, str(other), "is not this teacher's", [tmp_path / "x.h5"])
+    # shards given out of order, and a shard whose tokens are not those its digest names, are refused too
+    fails_cleanly(tokenize_windows.cli, args(shards[1], shards[0]), capsys, str(shards[1]), "shard 1 given as shard 0",
+                  [tmp_path / "x.h5"])
+    edited = tmp_path / "edited.h5"
+    shutil.copy(shards[0], edited)
+    with h5py.File(edited, "r+") as f:
+        f["tokens"][0, 5] = (f["tokens"][0, 5] + 1) % 300
+    fails_cleanly(tokenize_windows.cli, args(edited), capsys, str(edited), "does not match its tokens", [tmp_path / "x.h5"])
