@@ -3,7 +3,6 @@
 # ../shared/tools/stage-teacher-for-device's three calls (snakemake and the wheels under /root).
 #   bash bench/ablation.sh prefix              the stages every variant shares (teacher → generated corpus →
 #                                              windows → top-k → Grams → encoded student), here, on GPU 0
-#   bash bench/ablation.sh cache-out           the compiled kernels to $OUT/inductor.tgz, for the next session
 #   bash bench/ablation.sh corpus-out          the generated corpus to $OUT/corpus/, for the next session
 #   bash bench/ablation.sh run NAME[:GPU] ...  each variant (bench/ablation/NAME.yaml over base.yaml) in its
 #                                              own copy of this checkout with those results, one per GPU, in
@@ -19,29 +18,25 @@
 set -euo pipefail
 export PYTHONPATH=/root/site:/root/smk:$PWD PATH=/root/smk/bin:$PATH PYTHONUNBUFFERED=1
 BASE=bench/ablation/base.yaml
-# Compiled kernels outlive the machine: every job compiles into /root/inductor (inductor's FX graphs and Triton
-# kernels), `cache-out` packs it into $OUT/inductor.tgz, and a later session that carries it as .device/inductor.tgz
-# (beside the snakemake wheels in the third staging call) starts from it: a cold machine spent about 140 s compiling
-# the decoder and 68 s train_student's first step in session 19. Inductor keys each entry by the graph, the
-# settings and the torch version, so a changed model compiles anew.
-export TORCHINDUCTOR_CACHE_DIR=/root/inductor
-if [[ -f .device/inductor.tgz && ! -d $TORCHINDUCTOR_CACHE_DIR ]]; then
-  mkdir -p $TORCHINDUCTOR_CACHE_DIR && tar xzf .device/inductor.tgz -C $TORCHINDUCTOR_CACHE_DIR
-fi
 # Every device call copies this checkout afresh, so every source file has a new mtime and Snakemake's
 # default triggers would rerun the shared prefix in each variant's copy (session 7 lost ~3 GPU minutes
 # a variant, and its variants trained on different corpora). A changed setting or rule still reruns.
 TRIGGERS="--rerun-triggers params input software-env code"
-# The teacher's text outlives the machine too: `corpus-out` gzips each shard to $OUT/corpus/, a later session
-# carries that folder as .device/corpus (its own staging call) and starts from it: generating base.yaml's shard
-# took 212 s of the 30 device minutes in session 20 (122 s of it compiling the decoder), the wide corpus's
-# two shards about 300. Snakemake has no record of the carried shards, so the teacher is imported first and
-# the shards touched after it (else their older mtime reruns them); tokenize_windows still checks each shard's
-# teacher, place and token digest. The shards must be what the config's generate_corpus would write: the
-# digests printed here are compared with the log of the session that made them.
-if compgen -G ".device/corpus/generated.*.h5.gz" > /dev/null && [[ ! -d results/corpus && $1 != *-out ]]; then
+# The teacher's text outlives the machine: `corpus-out` gzips each shard into parts of at most 15 MiB under
+# $OUT/corpus/ (a call brings back 8 files of at most 16 MiB), a later session copies them into .device/corpus
+# and carries that folder (beside the snakemake wheels in the third staging call), and this script then starts
+# from them: base.yaml's shard took 212 s of the 30 device minutes in session 20 (122 s of it compiling the
+# decoder), the wide corpus's two shards about 300. (Inductor's cache, which would save that compile and
+# train_student's 68 s, packed to 67 MB: more than a call brings back.) Snakemake has no record of the carried
+# shards, so the teacher is imported first and the shards touched after it (else their older mtime reruns
+# them); tokenize_windows still checks each shard's teacher, place and token digest. The shards must be what
+# the config's generate_corpus would write: the digests printed here are compared with the log of the session
+# that made them.
+if compgen -G ".device/corpus/generated.*.h5.gz.*" > /dev/null && [[ ! -d results/corpus && $1 != corpus-out ]]; then
   mkdir -p results/corpus
-  for z in .device/corpus/generated.*.h5.gz; do gunzip -c "$z" > "results/corpus/$(basename "${z%.gz}")"; done
+  for first in .device/corpus/generated.*.h5.gz.aa; do
+    name=$(basename "${first%.gz.aa}"); cat ".device/corpus/$name.gz."* | gunzip > "results/corpus/$name"
+  done
   snakemake --cores 16 results/teacher.cmf $TRIGGERS --quiet rules --configfile $BASE 2>&1 | tail -3
   touch results/corpus/*.h5
   python -c "import h5py, sys
@@ -87,10 +82,7 @@ run)
   ;;
 corpus-out)
   mkdir -p "$OUT/corpus"
-  for h in results/corpus/generated.*.h5; do gzip -1 -c "$h" > "$OUT/corpus/$(basename "$h").gz"; done
+  for h in results/corpus/generated.*.h5; do gzip -1 -c "$h" | split -b 15M - "$OUT/corpus/$(basename "$h").gz."; done
   du -h "$OUT"/corpus/*
-  ;;
-cache-out)
-  tar czf "$OUT/inductor.tgz" -C $TORCHINDUCTOR_CACHE_DIR . && du -h "$OUT/inductor.tgz"
   ;;
 esac
