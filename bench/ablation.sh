@@ -3,7 +3,8 @@
 # ../shared/tools/stage-teacher-for-device's three calls (snakemake and the wheels under /root).
 #   bash bench/ablation.sh prefix              the stages every variant shares (teacher → generated corpus →
 #                                              windows → top-k → Grams → encoded student), here, on GPU 0
-#   bash bench/ablation.sh corpus-out          the generated corpus to $OUT/corpus/, for the next session
+#   bash bench/ablation.sh corpus-out [NAME]   the generated corpus (here, or variant NAME's) to $OUT/corpus/,
+#                                              for the next session
 #   bash bench/ablation.sh run NAME[:GPU] ...  each variant (bench/ablation/NAME.yaml over base.yaml) in its
 #                                              own copy of this checkout with those results, one per GPU, in
 #                                              parallel; then its eval.json, metrics, logs and stage times to $OUT
@@ -82,7 +83,7 @@ run)
   ;;
 corpus-out)
   mkdir -p "$OUT/corpus"
-  for h in results/corpus/generated.*.h5; do gzip -1 -c "$h" | split -b 15M - "$OUT/corpus/$(basename "$h").gz."; done
+  for h in ${2:+/root/ablation/$2/}results/corpus/generated.*.h5; do gzip -1 -c "$h" | split -b 15M - "$OUT/corpus/$(basename "$h").gz."; done
   du -h "$OUT"/corpus/*
   ;;
 esac
