@@ -13,6 +13,9 @@
 # interrupted after ABLATION_LIMIT_S seconds (default 540), inside the device's 10-minute call limit, so that
 # a variant that does not finish still sends back its logs and metrics (session 10 lost a 0.55 bpw run's log
 # to that limit), and train_student saves its state at the step it stops.
+# ABLATION_CORES (default 8) is a variant's --cores: a torch stage claims 8 (TORCH_THREADS), so 16 runs two
+# corpus shards side by side on the one GPU (session 17: both in about 200 s, where one alone takes about 210
+# with the decoder's compile), for a variant run alone.
 # PREFIX_TARGETS and RUN_TARGETS replace the default targets, so that one variant can be split between device
 # calls where Snakemake's DAG splits it (e.g. RUN_TARGETS=results/student/reconstructed.cmf in the call that
 # ends the prefix, then the training in the next): no step is trained twice and nothing compiles twice.
@@ -67,7 +70,7 @@ run)
       # Snakemake leads its own process group, so that at the limit SIGINT reaches its jobs too, as a terminal's
       # Ctrl-C does: train_student ends its step, saves its state and stops (the next call resumes there with
       # nothing lost), and Snakemake, which waits for its jobs, then exits; 25 s later the group is killed.
-      CUDA_VISIBLE_DEVICES=$gpu setsid snakemake --cores 8 ${RUN_TARGETS:-results/model.cmf results/eval.json} $TRIGGERS --quiet rules \
+      CUDA_VISIBLE_DEVICES=$gpu setsid snakemake --cores "${ABLATION_CORES:-8}" ${RUN_TARGETS:-results/model.cmf results/eval.json} $TRIGGERS --quiet rules \
         --configfile $BASE "bench/ablation/$name.yaml" > "$dir/snakemake.log" 2>&1 &
       smk=$!
       ( sleep "${ABLATION_LIMIT_S:-540}"; kill -INT -- -$smk; sleep 25; kill -KILL -- -$smk ) > /dev/null 2>&1 &
