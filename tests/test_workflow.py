@@ -79,6 +79,8 @@ def test_nothing_changed_runs_nothing(finished_run):
     (("evaluate", "batch", 4), {"evaluate", "report"}),
     (("data", "sources", "first-weight"), AFTER_DATA),
     (("generate_corpus", "temperature", 0.7), {"generate_corpus"} | AFTER_DATA),
+    (("encode", "embedding_bpw", 2.0), set()),  # an f16 embedding reads none of the blr / GPTQ settings
+    (("encode", "embedding_damp", 0.5), set()),
 ])
 def test_a_setting_reruns_exactly_what_it_invalidates(finished_run, change, expected):
     workdir, config = finished_run

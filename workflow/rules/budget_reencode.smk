@@ -20,7 +20,7 @@ rule budget_reencode:
     benchmark:
         "benchmarks/budget_reencode.tsv"
     params:
-        settings=settings("encode"),
+        settings=json.dumps(encode_block(), sort_keys=True),
         # a config path reaches the shell only as one shlex-quoted word
         plan=f"--plan {shlex.quote(config['plan'])}" if config["plan"] else "",
         student=f"--student {shlex.quote(config['student'])}" if config["student"] else "",

@@ -42,6 +42,23 @@ def settings(block, **extra):
     return json.dumps({**config[block], **extra}, sort_keys=True)
 
 
+# The embedding / LM head settings that each encode.embedding format does not read (with a plan file, whose
+# lines may give either matrix any format, every one is read): left out of budget_reencode's params, so that
+# changing, say, embedding_bpw under an f16 embedding does not re-encode every linear for nothing.
+UNREAD_BY_EMBEDDING = {"f16": ("embedding_bpw", "embedding_damp", "embedding_shrink"),
+                       "blr": ("embedding_damp", "embedding_shrink")}
+
+
+def encode_block():
+    """The encode block less what its embedding format does not read: budget_reencode's settings, and what
+    export records of them."""
+    block = dict(config["encode"])
+    if not config["plan"]:
+        for key in UNREAD_BY_EMBEDDING.get(block["embedding"], ("embedding_bpw",)):
+            block.pop(key)
+    return block
+
+
 def nvg_sources(stage):
     """The step module's file and every nvg module it imports, transitively (the package's __init__
     runs for any of them): a code change reruns exactly the stages that run that code. Paths are
