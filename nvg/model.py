@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -528,23 +529,50 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device(requested)
 
 
+BF16_CPU_MIN_SPEEDUP = 1.5  # bf16 must beat float32 by this much: measured 4.4× and 0.62×, so no timing noise flips it
+
+
+def matmul_seconds(dtype: torch.dtype, shape=(256, 576, 1536), reps: int = 5) -> float:
+    """The fastest of `reps` products of a [m, k] and a [k, n] matrix in `dtype` on the CPU (one warm-up)."""
+    m, k, n = shape
+    a, b = torch.ones(m, k, dtype=dtype), torch.ones(k, n, dtype=dtype)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 @functools.cache
 def cpu_has_bf16_matmuls() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX): there oneDNN's bf16 GEMM runs
-    4.4× the float32 one (2-core AMD EPYC, 256 × 576 × 1536); elsewhere bf16 is emulated and slower than float32.
-    Asked once a process (each autocast asks)."""
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX) *and* faster than float32, by
+    at least BF16_CPU_MIN_SPEEDUP at a training shape (a window of 256 tokens × 576 × 1536). The flags alone do
+    not say it: on a 2-core AMD EPYC oneDNN's bf16 GEMM ran 4.4× MKL's float32 one, on a 2-core Intel Xeon with
+    AVX512-BF16 (no AMX) MKL's float32 ran 229 GFLOP/s and bf16 142 (0.62×), and the default job took 21.6
+    minutes in bf16 there (session 20). Without the flags bf16 is emulated. Asked once a process (each autocast
+    asks); train_student prints and records what it computed in."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch's own CPU probes (private: default False)
-    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    if not any(getattr(torch.cpu, probe, lambda: False)() for probe in probes):
+        return False
+    return matmul_seconds(torch.float32) >= BF16_CPU_MIN_SPEEDUP * matmul_seconds(torch.bfloat16)
+
+
+def compute_precision(device: torch.device, precision: str) -> str:
+    """What a stage set to `precision` computes in: bf16/fp16 on CUDA; bf16 on a CPU whose bf16 matmuls are
+    native and faster (`cpu_has_bf16_matmuls`); else fp32."""
+    if device.type == "cuda" and precision in ("bf16", "fp16"):
+        return precision
+    if device.type == "cpu" and precision == "bf16" and cpu_has_bf16_matmuls():
+        return "bf16"
+    return "fp32"
 
 
 def autocast(device: torch.device, precision: str):
-    """bf16/fp16 autocast on CUDA; bf16 autocast on a CPU with native bf16 matmuls (fp16 and other CPUs:
-    float32)."""
-    if device.type == "cuda" and precision in ("bf16", "fp16"):
-        return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-    if device.type == "cpu" and precision == "bf16" and cpu_has_bf16_matmuls():
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return torch.autocast(device.type, enabled=False)
+    """The autocast context of `compute_precision`."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute_precision(device, precision))
+    return torch.autocast(device.type, dtype=dtype) if dtype else torch.autocast(device.type, enabled=False)
 
 
 def flops_per_token(cfg: ModelConfig) -> float:

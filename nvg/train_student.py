@@ -43,7 +43,7 @@ from nvg.cmf import CmfFile, read_verified
 from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
-from nvg.model import compile_blocks, load_model, pick_device, write_student
+from nvg.model import compile_blocks, compute_precision, load_model, pick_device, write_student
 from nvg.resume import load_state, one_run, save_state, state_file, stop_requests
 from nvg.settings import SETTINGS_HELP, check, load
 from nvg.sign_training import SignSettings, SignTrainer, sign_reference
@@ -194,6 +194,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
                   train_group_scales=s.group_scale_lr > 0)
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
+    say(f"train_student: computing in {compute_precision(device, s.precision)} on {device} (train.precision {s.precision})")
     n_batches = targets.n_train // s.batch
     if n_batches < 1:
         raise NvgError(f"config train.batch: {s.batch} exceeds the {targets.n_train} training windows")
@@ -326,7 +327,7 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
             **({"group_codes_changed": codes_changed(d.model)} if s.group_code_lr > 0 else {}), "targets": s.targets, "steps": st.done,
             **({"hidden_weight": s.hidden_weight} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,
-            "tail": s.tail, "precision": s.precision, "processes": run.group.world, "evals": st.evals,
+            "tail": s.tail, "precision": s.precision, "computed_in": compute_precision(d.device, s.precision), "processes": run.group.world, "evals": st.evals,
             **{mode.name: mode.provenance() for mode in d.modes},
         })
         with atomic_path(metrics) as tmp:

@@ -90,3 +90,26 @@ def test_real_smollm2_parity_and_tokenizer(real_teacher_cmf):
         theirs = hf_logits_f16_weights(hf, ids)
     assert (ours - theirs).abs().max().item() <= 2e-3
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_bf16_on_the_cpu_only_where_its_matmuls_are_native_and_clearly_faster(monkeypatch):
+    """The flags (AVX512-BF16, AMX) are not enough: on session 20's Intel Xeon with AVX512-BF16, bf16 matmuls
+    ran at 0.62× float32's and the default job took 21.6 minutes. bf16 needs the flags and a ≥ 1.5× speed-up."""
+    import nvg.model as m
+
+    cpu, timed = torch.device("cpu"), m.matmul_seconds
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    try:
+        for native, fp32_s, bf16_s, expected in ((True, 1.0, 0.23, "bf16"), (True, 1.0, 1.6, "fp32"),
+                                                 (True, 1.0, 0.8, "fp32"), (False, 1.0, 0.1, "fp32")):
+            monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native, raising=False)
+            monkeypatch.setattr(m, "matmul_seconds", lambda dtype: fp32_s if dtype == torch.float32 else bf16_s)
+            m.cpu_has_bf16_matmuls.cache_clear()
+            assert m.compute_precision(cpu, "bf16") == expected
+            assert m.compute_precision(cpu, "fp32") == "fp32"
+            with m.autocast(cpu, "bf16"):
+                in_bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            assert in_bf16 == (expected == "bf16")
+    finally:
+        m.cpu_has_bf16_matmuls.cache_clear()  # later tests probe this machine for real
+    assert timed(torch.float32, (8, 8, 8), reps=2) > 0
