@@ -279,16 +279,19 @@ def test_sampled_decoding_on_cuda_draws_the_same_tokens_from_two_cold_compiles(t
     assert torch.equal(runs[0], runs[1])
 
 
-def test_top_k_decoding_on_cuda_draws_in_the_graph_as_the_cpu_does(tiny_cmf):
+def test_top_k_decoding_on_cuda_draws_in_the_graph_as_the_cpu_does(tiny_cmf, monkeypatch):
     """top-k is drawn inside the compiled step (`nvg.decoding.sample`): top-k 1 decodes as greedy does, and
-    top-k 50 from one seed draws the same tokens twice, over two cache buckets (the second graph's cache length
-    is symbolic). Session 20 ran it on the H200 with 100 positions: the third Decoder's top-k, traced after
-    two others with another top_k, failed to compile (k symbolic, "CantSplit"); each Decoder now starts clean."""
-    from nvg.decoding import KV_BUCKET, Decoder
+    top-k 50 from one seed draws the same tokens twice, over two cache buckets of 64 (the second graph's cache
+    length is symbolic; the tiny model holds 256 positions). Session 20 ran it on the H200 with 100 positions
+    in one bucket: the third Decoder's top-k, traced after two others with another top_k, failed to compile
+    (k symbolic, "CantSplit"); each Decoder now starts clean."""
+    from nvg import decoding
+    from nvg.decoding import Decoder
     from nvg.model import load_model
 
+    monkeypatch.setattr(decoding, "KV_BUCKET", 64)
     dev = torch.device("cuda")
-    length = KV_BUCKET + 44
+    length = 100
 
     def decode(seed, greedy=False, **draw):
         decoder = Decoder(load_model(tiny_cmf, dev), 8, length, dev, "bf16", **draw)
