@@ -21,14 +21,18 @@
 # ends the prefix, then the training in the next): no step is trained twice and nothing compiles twice.
 set -euo pipefail
 export PYTHONPATH=/root/site:/root/smk:$PWD PATH=/root/smk/bin:$PATH PYTHONUNBUFFERED=1
+# Inductor's cache where the machine keeps files between calls: a call that resumes train_student compiled its
+# first step for 70 s again in session 21 (the default cache sits under /tmp).
+export TORCHINDUCTOR_CACHE_DIR=/root/inductor-cache
 BASE=bench/ablation/base.yaml
 # Every device call copies this checkout afresh, so every source file has a new mtime and Snakemake's
 # default triggers would rerun the shared prefix in each variant's copy (session 7 lost ~3 GPU minutes
 # a variant, and its variants trained on different corpora). A changed setting or rule still reruns.
 TRIGGERS="--rerun-triggers params input software-env code"
 # The teacher's text outlives the machine: `corpus-out` gzips each shard into parts of at most 15 MiB under
-# $OUT/corpus/ (a call brings back 8 files of at most 16 MiB), a later session copies them into .device/corpus
-# and carries that folder (beside the snakemake wheels in the third staging call), and this script then starts
+# $OUT/corpus/ (a call brings back 8 files of at most 16 MiB), a later session copies them into .corpus/ (not
+# under .device/, which the staging script deletes and rebuilds) and carries that folder (beside the snakemake
+# wheels in the third staging call), and this script then starts
 # from them: base.yaml's shard took 212 s of the 30 device minutes in session 20 (122 s of it compiling the
 # decoder), the wide corpus's two shards about 300. (Inductor's cache, which would save that compile and
 # train_student's 68 s, packed to 67 MB: more than a call brings back.) Snakemake has no record of the carried
@@ -36,10 +40,10 @@ TRIGGERS="--rerun-triggers params input software-env code"
 # them); tokenize_windows still checks each shard's teacher, place and token digest. The shards must be what
 # the config's generate_corpus would write: the digests printed here are compared with the log of the session
 # that made them.
-if compgen -G ".device/corpus/generated.*.h5.gz.*" > /dev/null && [[ ! -d results/corpus && $1 != corpus-out ]]; then
+if compgen -G ".corpus/generated.*.h5.gz.*" > /dev/null && [[ ! -d results/corpus && $1 != corpus-out ]]; then
   mkdir -p results/corpus
-  for first in .device/corpus/generated.*.h5.gz.aa; do
-    name=$(basename "${first%.gz.aa}"); cat ".device/corpus/$name.gz."* | gunzip > "results/corpus/$name"
+  for first in .corpus/generated.*.h5.gz.aa; do
+    name=$(basename "${first%.gz.aa}"); cat ".corpus/$name.gz."* | gunzip > "results/corpus/$name"
   done
   snakemake --cores 16 results/teacher.cmf $TRIGGERS --quiet rules --configfile $BASE 2>&1 | tail -3
   touch results/corpus/*.h5
