@@ -9,8 +9,8 @@ so column after column a sign flips where δ_k < 0, and the running product G s 
 * CUDA (`_sweep_kernel`, Triton): one program per row keeps its signs, c and G s in registers and walks
   the r columns in one launch. The same sweep as tensor ops is r dependent steps of a few kernels each,
   which is kernel-launch bound on an H200 (87.8 ms for [1536, 256] measured, docs/encoder.md).
-* CPU (`_sweep_cpu`, numpy float64): vectorised over rows, column-major, with G s kept exact for the
-  current block of columns and brought up to date with one matrix product per block.
+* CPU (`_sweep_cpu`, numpy float64): vectorised over rows, column-major; within a block of columns a
+  column's G s is formed when it is reached, and the block's flips reach G s with one matrix product.
 Both are exact in float64 and give the same signs (tests/test_gpu_fast_paths.py on the device).
 
 S_V (`flip_v_signs`) is the same problem a row at a time: with A = diag(h) S_U diag(ℓ), P = Aᵀρ A and
@@ -44,7 +44,7 @@ def flip_v_signs(sv: torch.Tensor, a: torch.Tensor, g: torch.Tensor, target: tor
     """S_V [r, i] after one sweep; a = diag(h) S_U diag(ℓ) [o, r], g [i], target [o, i], H [i, i], ρ [o]."""
     P = a.T @ (rho[:, None] * a)
     coupling = P - torch.diag(P.diagonal())
-    M = g[:, None] * H * g[None, :]
+    M = (g[:, None] * H * g[None, :]).double()  # once, not once a group (the CPU sweep works in float64)
     aT = (a * rho[:, None]).T @ target
     root = P.diagonal().clamp_min(1e-30).sqrt()
     sv = sv.clone()
@@ -56,22 +56,28 @@ def flip_v_signs(sv: torch.Tensor, a: torch.Tensor, g: torch.Tensor, target: tor
 
 
 def _sweep_cpu(su, h, G, c, block: int = 32) -> torch.Tensor:
-    # column-major copies ([r, o]): a step reads and writes one contiguous row
+    # Column-major copies ([r, o]): a step reads one contiguous row. δ_k < 0 is s_k · 4 h_o (c_ok − h_o (G s)_k)
+    # < −4 h_o² G_kk, with 4 h c and the right side precomputed for all columns: a step is seven numpy calls
+    # on o-vectors, and G s of column k is formed when k is reached (its block's flips so far, one small
+    # product) instead of every column of the block being brought up to date after each step. On S_V's
+    # groups of r/8 rows the per-call overhead, not the arithmetic, is the cost (docs/benchmarks.md).
     st = np.ascontiguousarray(su.double().cpu().numpy().T)
-    ct = np.ascontiguousarray(c.double().cpu().numpy().T)
     hh, G64 = h.double().cpu().numpy(), G.double().cpu().numpy()
-    h2x4, hx4 = 4 * hh * hh, 4 * hh
+    h2x4 = 4 * hh * hh
+    hct = np.ascontiguousarray(c.double().cpu().numpy().T) * (4 * hh)  # 4 h_o c_ok
+    threshold = np.multiply.outer(np.diag(G64), -h2x4)  # flip k of row o where s_k (4 h c − 4 h² (G s)_k) < this
     gst = G64 @ st  # [r, o]: (G s) of every row, transposed (G is symmetric)
     for start in range(0, st.shape[0], block):
-        cols = slice(start, min(start + block, st.shape[0]))
-        before = st[cols].copy()
-        local = gst[cols].copy()  # exact within the block
-        for j, k in enumerate(range(cols.start, cols.stop)):
-            sk = st[k]
-            change = np.where(h2x4 * (G64[k, k] - sk * local[j]) + hx4 * sk * ct[k] < 0, -2 * sk, 0.0)
-            local += G64[cols, k][:, None] * change[None, :]
-            st[k] += change
-        gst += G64[:, cols] @ (st[cols] - before)
+        stop = min(start + block, st.shape[0])
+        change = np.zeros((stop - start, st.shape[1]))  # −2 s where a sign flipped, else 0
+        minus_two_s = -2 * st[start:stop]
+        for j, k in enumerate(range(start, stop)):
+            gs_k = gst[k] + G64[k, start:k] @ change[:j] if j else gst[k]
+            q = hct[k] - h2x4 * gs_k
+            q *= st[k]
+            np.multiply(q < threshold[k], minus_two_s[j], out=change[j])
+        st[start:stop] += change
+        gst += G64[:, start:stop] @ change
     return torch.from_numpy(st.T.copy()).to(su.device, su.dtype)
 
 

@@ -193,10 +193,11 @@ def test_plan_error_comes_before_any_model_is_read(tmp_path):
     assert not (tmp_path / "o.cmf").exists()
 
 
-@pytest.mark.parametrize("o, r", [(300, 64), (97, 40), (16, 8)])
+@pytest.mark.parametrize("o, r", [(300, 64), (97, 40), (16, 8), (6, 200)])
 def test_blocked_cpu_sign_sweep_equals_the_plain_sweep(o, r):
-    """The CPU sweep keeps G·s exact only per block of columns; it must flip exactly what the plain
-    column-by-column sweep flips (the CUDA kernel is checked against it on the device)."""
+    """The CPU sweep forms a column's G·s from its block's flips so far and brings G·s up to date once a
+    block; it must flip exactly what the plain column-by-column sweep flips (6 × 200: an S_V group's shape,
+    few rows and many columns; the CUDA kernel is checked against it on the device)."""
     import torch
 
     from nvg.sign_sweep import flip_u_signs
