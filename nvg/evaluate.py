@@ -31,7 +31,7 @@ from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import bits_summary
 from nvg.losses import next_token_nll, student_scores, topk_kl, topk_logprobs
-from nvg.model import autocast, compile_blocks, load_model, pick_device
+from nvg.model import autocast, compile_blocks, computing_in, load_model, pick_device
 from nvg.progress import bar
 from nvg.settings import SETTINGS_HELP, load
 from nvg.sources import ChatRenderer, source_tokens
@@ -145,6 +145,7 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, k: int, out: 
         raise NvgError(f"{final}: trained on windows {trained_on}, not on {windows}'s ({attrs['tokens_blake2b']}): "
                        "its held-out rows may be ones it trained on")
     device = pick_device(settings.device)
+    print(f"evaluate: {computing_in(device, 'evaluate.precision', settings.precision)}", file=sys.stderr)
     sets = [ScoredSet("held-out", tokens[n_train:])]
     if settings.ood:
         from tokenizers import Tokenizer

@@ -25,7 +25,7 @@ from nvg.artifacts import HEAD_INPUT, model_hash, read_windows, write_grams
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import BODY_ROLES, ROLE_INPUT
-from nvg.model import autocast, load_model, pick_device
+from nvg.model import autocast, computing_in, load_model, pick_device
 from nvg.progress import bar
 from nvg.settings import SETTINGS_HELP, load
 
@@ -81,6 +81,7 @@ def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> 
                        f"exceeds the {n_train} training windows")
     device = pick_device(settings.device)
     model = load_model(cmf, device)
+    print(f"gram_capture: {computing_in(device, 'grams.precision', settings.precision)}", file=sys.stderr)
     fit = tokens[: settings.fit_windows]
     sel = tokens[settings.fit_windows : settings.fit_windows + settings.sel_windows]
     g_fit, c_fit = capture(model, fit, device, settings.batch, settings.precision, "gram_capture FIT")

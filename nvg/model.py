@@ -552,7 +552,7 @@ def cpu_has_bf16_matmuls() -> bool:
     not say it: on a 2-core AMD EPYC oneDNN's bf16 GEMM ran 4.4× MKL's float32 one, on a 2-core Intel Xeon with
     AVX512-BF16 (no AMX) MKL's float32 ran 229 GFLOP/s and bf16 142 (0.62×), and the default job took 21.6
     minutes in bf16 there (session 20). Without the flags bf16 is emulated. Asked once a process (each autocast
-    asks); train_student prints and records what it computed in."""
+    asks); every torch stage logs what it computes in (`computing_in`), train_student records it too."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch's own CPU probes (private: default False)
     if not any(getattr(torch.cpu, probe, lambda: False)() for probe in probes):
         return False
@@ -567,6 +567,12 @@ def compute_precision(device: torch.device, precision: str) -> str:
     if device.type == "cpu" and precision == "bf16" and cpu_has_bf16_matmuls():
         return "bf16"
     return "fp32"
+
+
+def computing_in(device: torch.device, key: str, precision: str) -> str:
+    """The line a torch stage logs before it computes, e.g. "computing in fp32 on cpu (train.precision bf16)":
+    a CPU run set to bf16 says when it computes in float32 instead (`compute_precision`)."""
+    return f"computing in {compute_precision(device, precision)} on {device} ({key} {precision})"
 
 
 def autocast(device: torch.device, precision: str):

@@ -37,7 +37,7 @@ from nvg.blr import pack_signs, unpack_signs
 from nvg.cmf import read_verified
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
-from nvg.model import autocast, compile_blocks, load_model, pick_device, rotary_tables, write_student
+from nvg.model import autocast, compile_blocks, computing_in, load_model, pick_device, rotary_tables, write_student
 from nvg.resume import load_state, one_run, save_state, state_file
 from nvg.settings import SETTINGS_HELP, load
 from nvg.sign_training import SignSettings, SignTrainer, sign_reference
@@ -126,6 +126,7 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
     t_model = compile_blocks(load_model(t_cmf, device)).requires_grad_(False)
     s_model = compile_blocks(load_model(s_cmf, device)).requires_grad_(False)
     ctx = autocast(device, s.precision)
+    print(f"reconstruct_blocks: {computing_in(device, 'reconstruct.precision', s.precision)}", file=sys.stderr)
     x_t, x_s = embed_rows(t_model, ids, s.batch, ctx), embed_rows(s_model, ids, s.batch, ctx)
     cos, sin = rotary_tables(s_model.cfg, ids.shape[1], device)
     generator = torch.Generator().manual_seed(s.seed)

@@ -60,7 +60,7 @@ def _sweep_cpu(su, h, G, c, block: int = 32) -> torch.Tensor:
     # < −4 h_o² G_kk, with 4 h c and the right side precomputed for all columns: a step is seven numpy calls
     # on o-vectors, and G s of column k is formed when k is reached (its block's flips so far, one small
     # product) instead of every column of the block being brought up to date after each step. On S_V's
-    # groups of r/8 rows the per-call overhead, not the arithmetic, is the cost (docs/benchmarks.md).
+    # groups of r/8 rows the per-call overhead, not the arithmetic, is the cost (docs/encoder.md).
     st = np.ascontiguousarray(su.double().cpu().numpy().T)
     hh, G64 = h.double().cpu().numpy(), G.double().cpu().numpy()
     h2x4 = 4 * hh * hh

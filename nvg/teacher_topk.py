@@ -22,7 +22,7 @@ from nvg.artifacts import model_hash, read_windows, shard_rows, topk_shard
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.losses import topk_logprobs
-from nvg.model import autocast, compile_blocks, load_model, pick_device
+from nvg.model import autocast, compile_blocks, computing_in, load_model, pick_device
 from nvg.progress import bar
 from nvg.settings import SETTINGS_HELP, load
 
@@ -54,6 +54,7 @@ def main(teacher: Path, windows: Path, shard: int, out: Path, settings: TopkSett
     if settings.precision != "fp32" and device.type == "cuda":
         model = model.to(torch.bfloat16 if settings.precision == "bf16" else torch.float16)
     model = compile_blocks(model)
+    print(f"teacher_topk shard {shard}: {computing_in(device, 'teacher_topk.precision', settings.precision)}", file=sys.stderr)
     window, k = tokens.shape[1], settings.k
     t0, done = time.perf_counter(), 0
     attrs = {"k": k, "teacher_hash": model_hash(cmf), "windows_hash": w_attrs["tokens_blake2b"]}

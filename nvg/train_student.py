@@ -43,7 +43,7 @@ from nvg.cmf import CmfFile, read_verified
 from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
-from nvg.model import compile_blocks, compute_precision, load_model, pick_device, write_student
+from nvg.model import compile_blocks, compute_precision, computing_in, load_model, pick_device, write_student
 from nvg.resume import load_state, one_run, save_state, state_file, stop_requests
 from nvg.settings import SETTINGS_HELP, check, load
 from nvg.sign_training import SignSettings, SignTrainer, sign_reference
@@ -194,7 +194,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
                   train_group_scales=s.group_scale_lr > 0)
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
-    say(f"train_student: computing in {compute_precision(device, s.precision)} on {device} (train.precision {s.precision})")
+    say(f"train_student: {computing_in(device, 'train.precision', s.precision)}")
     n_batches = targets.n_train // s.batch
     if n_batches < 1:
         raise NvgError(f"config train.batch: {s.batch} exceeds the {targets.n_train} training windows")

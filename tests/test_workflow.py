@@ -54,6 +54,11 @@ def test_whole_dag_produces_a_verified_model(finished_run):
     for stage in ("train_student", "teacher_topk.0", "budget_reencode"):
         assert (workdir / f"benchmarks/{stage}.tsv").exists()
     assert "held-out KL" in (workdir / "logs/train_student.log").read_text()
+    # every torch stage says what it computes in (a CPU set to bf16 computes in float32 where bf16 is slower)
+    for log, key in (("gram_capture.teacher", "grams"), ("teacher_topk.0", "teacher_topk"),
+                     ("reconstruct_blocks", "reconstruct"), ("train_student", "train"), ("evaluate", "evaluate")):
+        line = rf"computing in (fp32|bf16) on cpu \({key}\.precision (fp32|bf16)\)"
+        assert re.search(line, (workdir / f"logs/{log}.log").read_text()), log
 
 
 def test_a_run_against_the_live_teacher_plans_no_top_k(tiny_hf, tiny_corpus, tmp_path):
