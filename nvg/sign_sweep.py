@@ -72,7 +72,7 @@ def _sweep_cpu(su, h, G, c, block: int = 32) -> torch.Tensor:
         change = np.zeros((stop - start, st.shape[1]))  # −2 s where a sign flipped, else 0
         minus_two_s = -2 * st[start:stop]
         for j, k in enumerate(range(start, stop)):
-            gs_k = gst[k] + G64[k, start:k] @ change[:j] if j else gst[k]
+            gs_k = gst[k] + G64[k, start:k] @ change[:j]
             q = hct[k] - h2x4 * gs_k
             q *= st[k]
             np.multiply(q < threshold[k], minus_two_s[j], out=change[j])
