@@ -79,7 +79,7 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
         loss = token_error(out, y[rows])
         loss.backward()  # the sign latents move inside it, bucket by bucket
         if trainer is not None:
-            trainer.after_step(trainer.end_step())  # the flip-rate guard
+            trainer.after_step(trainer.end_step())  # the step guards
         for group in opt.param_groups:
             group["lr"] = lr * lr_shape(step, steps) * group["lr_scale"]
         opt.step()

@@ -52,6 +52,10 @@ from nvg.settings import check
 BYTES_PER_SIGN = {"adam": 12, "factored": 6, "plain": 4}
 ROLES = tuple(BODY_ROLES)
 BUCKET_LAYERS = 6  # consecutive layers whose same-shaped sign matrices are updated as one
+SPIKE_BASELINE = 10  # steps of running mean before the spike guard compares
+SPIKE_FLOOR = 5e-4  # a step flipping fewer of all signs is no spike, whatever its ratio (session 22: 3–4e-4 a step
+# at the peak of a healthy run, 1.5e-3 in the avalanche's first step)
+SPIKE_DECAY = 0.9  # of the running mean of flips a step
 
 
 @dataclass
@@ -72,6 +76,8 @@ class SignSettings:
     hyst: float
     max_step_flip: float
     max_total_flip: float
+    update_clip: float
+    spike_ratio: float
 
     def __post_init__(self):
         check(self.clamp >= self.tau, self.SECTION, "clamp", f"must be >= tau {self.tau}, got {self.clamp}")
@@ -123,11 +129,12 @@ def margin_magnitudes(margin: torch.Tensor, s: SignSettings) -> torch.Tensor:
 
 
 def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, eps: float, hyst: float,
-                clamp: float) -> torch.Tensor:
+                clamp: float, update_clip: float = 0.0) -> torch.Tensor:
     """One bucket's sign step, in place: `g`, `p` and the optimizer state `st` hold n matrices stacked on
     dim 0. The state takes the straight-through gradient `g`, the latents move by η times the normalised
-    step, the bits `p` follow the latents across the hysteresis band. `scalars` = (η, 2/τ/gscale,
-    1 − b1ᵗ, 1 − b2ᵗ). A matrix with a non-finite gradient is left as it is, the others move.
+    step (each matrix's RMS clipped to `update_clip` where it is > 0), the bits `p` follow the latents
+    across the hysteresis band. `scalars` = (η, 2/τ/gscale, 1 − b1ᵗ, 1 − b2ᵗ). A matrix with a
+    non-finite gradient is left as it is, the others move.
     Returns (flips, saturated, clamped, non-finite) as int64 [4].
 
     No test branches on the host: a host sync per bucket would stall the backward pass. (Compiled with
@@ -152,6 +159,8 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
         u = (m / bc1) / ((v / bc2).sqrt() + eps)
     else:
         u = g / (g.pow(2).mean(tuple(range(1, g.dim())), keepdim=True).sqrt() + eps)
+    if update_clip > 0 and optimizer != "plain":  # plain's step has RMS 1 by construction
+        u = u / (u.pow(2).mean(tuple(range(1, u.dim())), keepdim=True).sqrt() / update_clip).clamp_min(1.0)
     z = st["z"]
     step = -eta * w * u
     saturated = ((z.abs() >= clamp) & (step * z > 0)).sum()  # pushing past the clamp: no effect
@@ -233,7 +242,8 @@ class SignTrainer:
                 for part, margin in zip(("su", "sv"), gram_margin(m, *ref)):
                     self.latents[f"{name}:{part}"]["z"].copy_(getattr(m, part) * margin_magnitudes(margin, settings))
         self.counters = {"sign_steps": 0, "eta_mul": 1.0, "hi_streak": 0, "bad_evals": 0,
-                         "flips_total": 0, "saturated_total": 0, "clamped_total": 0}
+                         "flips_total": 0, "saturated_total": 0, "clamped_total": 0,
+                         "peaked": False, "flip_mean": 0.0, "mean_steps": 0, "spike_mul": 1.0}
         self.live = sum(p.numel() for p in self.mats.values())
         dev = next(iter(self.mats.values())).device if self.mats else torch.device("cpu")
         self._counts = torch.zeros(4, dtype=torch.int64, device=dev)  # this step's flips, saturated, clamped, non-finite
@@ -279,7 +289,8 @@ class SignTrainer:
         """Set η for the coming backward pass from the schedule shape; returns it."""
         c = self.counters
         s, t = self.s, c["sign_steps"] + 1
-        self.eta = 0.0 if t <= s.warm else self.eta0 * c["eta_mul"] * shape
+        c["peaked"] = c["peaked"] or shape >= 1.0  # the schedule's warm-up is over: flips from here on are the baseline
+        self.eta = 0.0 if t <= s.warm else self.eta0 * c["eta_mul"] * c["spike_mul"] * shape
         # one host-to-device copy a step
         self._scalars = torch.tensor([self.eta, 2.0 / s.tau / gscale, 1 - s.b1**t, 1 - s.b2**t], device=self._counts.device)
         self._counts.zero_()
@@ -301,7 +312,7 @@ class SignTrainer:
         if self.group.world > 1:
             g = self.group.sum(g) / self.group.world
         self._counts += latent_step(self.s.optimizer, g, bits, st, self._scalars, self.s.b1, self.s.b2,
-                                    self.s.eps, self.s.hyst, self.s.clamp)
+                                    self.s.eps, self.s.hyst, self.s.clamp, self.s.update_clip)
 
     def end_step(self) -> dict:
         """After the backward pass: this step's counts (one host synchronisation)."""
@@ -316,23 +327,34 @@ class SignTrainer:
         return {"flips": flips, "flip_rate": flips / max(1, self.live), "nonfinite": nonfinite, "eta": self.eta}
 
     def after_step(self, step: dict) -> tuple[dict, str, list[str]]:
-        """After a completed step: metric fields, the progress note and the flip-rate guard's line."""
-        note = self.flip_guard(step)
+        """After a completed step: metric fields, the progress note and the step guards' lines."""
         return ({"sign_eta": step["eta"], "sign_flips": step["flips"]},
-                f"  η {step['eta']:.2e} flips {step['flips']} ({step['flip_rate']:.1e})", [note] if note else [])
+                f"  η {step['eta']:.2e} flips {step['flips']} ({step['flip_rate']:.1e})", self.step_guards(step))
 
-    def flip_guard(self, step: dict) -> str | None:
-        """After a completed step: halve η when the flip rate exceeded `max_step_flip` three steps running."""
+    def step_guards(self, step: dict) -> list[str]:
+        """After a completed step: the flip-rate guard (η halved when the flip rate exceeded
+        `max_step_flip` three steps running) and the spike guard (module docstring)."""
         c, s = self.counters, self.s
+        lines = []
         if step["flip_rate"] <= s.max_step_flip:
             c["hi_streak"] = 0
-            return None
-        c["hi_streak"] += 1
-        if c["hi_streak"] < 3:
-            return None
-        c["eta_mul"] *= 0.5
-        c["hi_streak"] = 0
-        return f"guard: flip rate {step['flip_rate']:.2e} > {s.max_step_flip:.1e} for 3 steps — sign η halved (×{c['eta_mul']})"
+        else:
+            c["hi_streak"] += 1
+            if c["hi_streak"] >= 3:
+                c["eta_mul"] *= 0.5
+                c["hi_streak"] = 0
+                lines.append(f"guard: flip rate {step['flip_rate']:.2e} > {s.max_step_flip:.1e} for 3 steps — sign η halved (×{c['eta_mul']})")
+        if s.spike_ratio > 0 and c["peaked"] and c["sign_steps"] > s.warm:
+            flips = step["flips"]
+            if (c["mean_steps"] >= SPIKE_BASELINE and flips > s.spike_ratio * c["flip_mean"]
+                    and step["flip_rate"] > SPIKE_FLOOR):
+                c["spike_mul"] *= 0.5
+                lines.append(f"guard: {flips} flips > {s.spike_ratio:g} × their mean {c['flip_mean']:.0f} — sign η "
+                             f"halved (spike ×{c['spike_mul']})")
+            else:
+                c["flip_mean"] = flips if c["mean_steps"] == 0 else SPIKE_DECAY * c["flip_mean"] + (1 - SPIKE_DECAY) * flips
+                c["mean_steps"] += 1
+        return lines
 
     def stats(self) -> dict:
         """Per role and overall: distinct flipped fraction (bits that differ from the student's), churn
@@ -372,6 +394,9 @@ class SignTrainer:
                 lines.append(f"guard: held-out KL above 1.05× best twice — sign η halved (×{c['eta_mul']})")
         else:
             c["bad_evals"] = 0
+        if heldout_kl < best_kl and c["spike_mul"] < 1.0:
+            c["spike_mul"] = min(1.0, 2 * c["spike_mul"])
+            lines.append(f"held-out KL at a new best: spike multiplier doubled back to ×{c['spike_mul']}")
         return {k: v for k, v in stats.items() if k != "flips"}, lines
 
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -401,4 +426,5 @@ class SignTrainer:
     def provenance(self) -> dict:
         st = self.stats()
         return {"optimizer": self.s.optimizer, "init": self.s.init, "tau": self.s.tau, "eta0": self.eta0, "eta_final_multiplier": self.counters["eta_mul"],
+                "spike_final_multiplier": self.counters["spike_mul"],
                 "steps": self.counters["sign_steps"], "warm": self.s.warm, "hyst": self.s.hyst, "clamp": self.s.clamp, **st}
