@@ -160,7 +160,7 @@ def spiking(trainer, flips: list[int]) -> list[str]:
     return lines
 
 
-def test_the_spike_guard_halves_eta_in_the_spiking_step_and_recovers_at_a_new_best():
+def test_the_spike_guard_halves_eta_in_the_spiking_step_and_doubles_it_back_when_quiet():
     target, student = toy()
     settings = load(SignSettings, enabled=True, eta=0.02, warm=0, spike_ratio=3.0, max_step_flip=1.0, max_total_flip=1.0)
     trainer = SignTrainer({"model.layers.0.mlp.up_proj.weight": student}, settings, 100, Group())
@@ -171,11 +171,12 @@ def test_the_spike_guard_halves_eta_in_the_spiking_step_and_recovers_at_a_new_be
     trainer.begin_step(0.5, 1.0)
     assert trainer.eta == pytest.approx(0.02 * 0.25 * 0.5)  # η0 · spike multiplier · schedule shape
     assert trainer.counters["flip_mean"] < 14  # the spikes stay out of the mean
-    assert spiking(trainer, [12, 10]) == []
-    _, lines = trainer.after_eval(heldout_kl=0.9, best_kl=1.0)
-    assert trainer.counters["spike_mul"] == 0.5 and any("doubled back" in n for n in lines)
-    trainer.after_eval(heldout_kl=1.0, best_kl=0.9)  # no new best: no recovery
-    assert trainer.counters["spike_mul"] == 0.5
+    assert spiking(trainer, [10] * 9) == [] and trainer.counters["spike_mul"] == 0.25
+    lines = spiking(trainer, [10])  # the tenth quiet step
+    assert len(lines) == 1 and "doubled back" in lines[0] and trainer.counters["spike_mul"] == 0.5
+    spiking(trainer, [10] * 10)
+    assert trainer.counters["spike_mul"] == 1.0
+    assert spiking(trainer, [10] * 10) == []  # at 1 it stays
 
 
 def test_the_spike_guard_waits_for_the_schedules_peak():
