@@ -161,6 +161,7 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
                        {"done": i + 1, "blocks": blocks})
             print(f"  block {i}: relative error {stats['before']:.5f} → {stats['after']:.5f}"
                   + (f", {100 * stats['signs']['flipped_fraction']:.2f}% of its signs flipped" if "signs" in stats else "")
+                  + (f" (the spike guard fired {stats['signs']['spikes']} times)" if stats.get("signs", {}).get("spikes") else "")
                   + ("" if stats["kept"] else " (worse: starting values kept)"), file=sys.stderr)
         seconds = time.perf_counter() - t0
         write_student(s_cmf, s_model, out, "nvg_reconstruct", {

@@ -40,8 +40,8 @@ guard multiplier (the seed's; it never recovers):
   * when the distinct flipped fraction exceeds `max_total_flip` (checked at each evaluation);
   * when the held-out KL exceeds 1.05 × best twice running.
 The spike guard (`spike_ratio`) halves the spike multiplier in the very step whose flips exceed
-`spike_ratio` × their running mean (an exponential mean over the steps since the schedule's peak, spikes
-left out) and 5e-4 of all signs; after every `SPIKE_BASELINE` steps without a spike it doubles back, up
+`spike_ratio` × their running mean (an exponential mean over the steps since the schedule's peak and
+`SPIKE_BASELINE` steps after the warm ones, spikes left out) and 5e-4 of all signs; after every `SPIKE_BASELINE` steps without a spike it doubles back, up
 to 1. An avalanche of flips feeds itself within a few steps: faster than three steps running or an
 evaluation.
 """
@@ -64,7 +64,8 @@ from nvg.settings import check
 BYTES_PER_SIGN = {"adam": 12, "factored": 6, "plain": 4}
 ROLES = tuple(BODY_ROLES)
 BUCKET_LAYERS = 6  # consecutive layers whose same-shaped sign matrices are updated as one
-SPIKE_BASELINE = 10  # steps of running mean before the spike guard compares; quiet steps before η doubles back
+SPIKE_BASELINE = 10  # steps after the warm ones before the mean starts, of mean before the guard compares, and
+# quiet ones before η doubles back
 SPIKE_FLOOR = 5e-4  # a step flipping fewer of all signs is no spike, whatever its ratio (session 22: 3–4e-4 a step
 # at the peak of a healthy run, 1.5e-3 in the avalanche's first step)
 SPIKE_DECAY = 0.9  # of the running mean of flips a step
@@ -141,7 +142,7 @@ def margin_magnitudes(margin: torch.Tensor, s: SignSettings) -> torch.Tensor:
 
 
 def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, eps: float, hyst: float,
-                clamp: float, update_clip: float = 0.0) -> torch.Tensor:
+                clamp: float, update_clip: float) -> torch.Tensor:
     """One bucket's sign step, in place: `g`, `p` and the optimizer state `st` hold n matrices stacked on
     dim 0. The state takes the straight-through gradient `g`, the latents move by η times the normalised
     step (each matrix's RMS clipped to `update_clip` where it is > 0), the bits `p` follow the latents
@@ -255,7 +256,7 @@ class SignTrainer:
                     self.latents[f"{name}:{part}"]["z"].copy_(getattr(m, part) * margin_magnitudes(margin, settings))
         self.counters = {"sign_steps": 0, "eta_mul": 1.0, "hi_streak": 0, "bad_evals": 0,
                          "flips_total": 0, "saturated_total": 0, "clamped_total": 0,
-                         "peaked": False, "flip_mean": 0.0, "mean_steps": 0, "spike_mul": 1.0, "quiet_steps": 0}
+                         "peaked": False, "flip_mean": 0.0, "mean_steps": 0, "spike_mul": 1.0, "quiet_steps": 0, "spikes": 0}
         self.live = sum(p.numel() for p in self.mats.values())
         dev = next(iter(self.mats.values())).device if self.mats else torch.device("cpu")
         self._counts = torch.zeros(4, dtype=torch.int64, device=dev)  # this step's flips, saturated, clamped, non-finite
@@ -356,12 +357,16 @@ class SignTrainer:
                 c["eta_mul"] *= 0.5
                 c["hi_streak"] = 0
                 lines.append(f"guard: flip rate {step['flip_rate']:.2e} > {s.max_step_flip:.1e} for 3 steps — sign η halved (×{c['eta_mul']})")
-        if s.spike_ratio > 0 and c["peaked"] and c["sign_steps"] > s.warm:
+        # the flips rise for some steps once η leaves 0 (the warm steps) and while the schedule warms up: the
+        # mean starts after both (on the real teacher a block's flips rose from 0 to 3,239 a step in the ten
+        # steps after its warm ones, then fell)
+        if s.spike_ratio > 0 and c["peaked"] and c["sign_steps"] > s.warm + SPIKE_BASELINE:
             flips = step["flips"]
             if (c["mean_steps"] >= SPIKE_BASELINE and flips > s.spike_ratio * c["flip_mean"]
                     and step["flip_rate"] > SPIKE_FLOOR):
                 c["spike_mul"] *= 0.5
                 c["quiet_steps"] = 0
+                c["spikes"] += 1
                 lines.append(f"guard: {flips} flips > {s.spike_ratio:g} × their mean {c['flip_mean']:.0f} — sign η "
                              f"halved (spike ×{c['spike_mul']})")
             else:
@@ -376,7 +381,8 @@ class SignTrainer:
 
     def stats(self) -> dict:
         """Per role and overall: distinct flipped fraction (bits that differ from the student's), churn
-        (flips per distinct flip), saturated and clamped fractions of all sign updates."""
+        (flips per distinct flip), saturated and clamped fractions of all sign updates; how often the spike
+        guard fired."""
         per_role = {r: [0, 0] for r in ROLES}
         for key, p in self.mats.items():
             acc = per_role.setdefault(self.role[key], [0, 0])
@@ -388,7 +394,7 @@ class SignTrainer:
         return {
             "flips": c["flips_total"], "distinct": distinct, "flipped_fraction": distinct / max(1, self.live),
             "churn": c["flips_total"] / max(1, distinct), "saturated_fraction": c["saturated_total"] / updates,
-            "clamped_fraction": c["clamped_total"] / updates,
+            "clamped_fraction": c["clamped_total"] / updates, "spikes": c["spikes"],
             "per_role": {r: a[0] / a[1] for r, a in per_role.items() if a[1]},
         }
 

@@ -103,7 +103,7 @@ def test_bf16_on_the_cpu_only_where_its_matmuls_are_native_and_clearly_faster(mo
         for native, fp32_s, bf16_s, expected in ((True, 1.0, 0.23, "bf16"), (True, 1.0, 1.6, "fp32"),
                                                  (True, 1.0, 0.8, "fp32"), (False, 1.0, 0.1, "fp32")):
             monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native, raising=False)
-            monkeypatch.setattr(m, "matmul_seconds", lambda dtype: fp32_s if dtype == torch.float32 else bf16_s)
+            monkeypatch.setattr(m, "matmul_seconds", lambda dtypes: {torch.float32: fp32_s, torch.bfloat16: bf16_s})
             m.cpu_has_bf16_matmuls.cache_clear()
             assert m.compute_precision(cpu, "bf16") == expected
             assert m.compute_precision(cpu, "fp32") == "fp32"
@@ -112,4 +112,5 @@ def test_bf16_on_the_cpu_only_where_its_matmuls_are_native_and_clearly_faster(mo
             assert in_bf16 == (expected == "bf16")
     finally:
         m.cpu_has_bf16_matmuls.cache_clear()  # later tests probe this machine for real
-    assert timed(torch.float32, (8, 8, 8), reps=2) > 0
+    seconds = timed((torch.float32, torch.bfloat16), (8, 8, 8), reps=2)
+    assert set(seconds) == {torch.float32, torch.bfloat16} and all(0 < t < 1 for t in seconds.values())

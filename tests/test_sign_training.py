@@ -164,10 +164,12 @@ def test_the_spike_guard_halves_eta_in_the_spiking_step_and_doubles_it_back_when
     target, student = toy()
     settings = load(SignSettings, enabled=True, eta=0.02, warm=0, spike_ratio=3.0, max_step_flip=1.0, max_total_flip=1.0)
     trainer = SignTrainer({"model.layers.0.mlp.up_proj.weight": student}, settings, 100, Group())
+    assert spiking(trainer, [100] * 10) == [] and trainer.counters["mean_steps"] == 0  # ten steps before the mean starts
     assert spiking(trainer, [10, 12, 9, 11, 10, 10, 11, 9, 10, 35]) == []  # 10 steps of mean come first
     assert trainer.counters["spike_mul"] == 1.0
     lines = spiking(trainer, [40, 45])
     assert len(lines) == 2 and "flips > 3 × their mean" in lines[0] and trainer.counters["spike_mul"] == 0.25
+    assert trainer.counters["spikes"] == 2
     trainer.begin_step(0.5, 1.0)
     assert trainer.eta == pytest.approx(0.02 * 0.25 * 0.5)  # η0 · spike multiplier · schedule shape
     assert trainer.counters["flip_mean"] < 14  # the spikes stay out of the mean
@@ -179,8 +181,9 @@ def test_the_spike_guard_halves_eta_in_the_spiking_step_and_doubles_it_back_when
     assert spiking(trainer, [10] * 10) == []  # at 1 it stays
 
 
-def test_the_spike_guard_waits_for_the_schedules_peak():
-    """Flips rise while η warms up with the schedule: no spike before the shape has reached 1."""
+def test_the_spike_guard_waits_for_the_schedules_peak_and_the_first_flips():
+    """Flips rise while η warms up with the schedule, and for some steps after the warm ones: no mean
+    (so no spike) before the shape has reached 1 and ten steps have passed since the warm ones."""
     target, student = toy()
     settings = load(SignSettings, enabled=True, eta=0.02, warm=0, spike_ratio=3.0, max_step_flip=1.0, max_total_flip=1.0)
     trainer = SignTrainer({"model.layers.0.mlp.up_proj.weight": student}, settings, 100, Group())
@@ -189,6 +192,9 @@ def test_the_spike_guard_waits_for_the_schedules_peak():
         trainer.counters["sign_steps"] += 1
         assert trainer.step_guards({"flips": n, "flip_rate": n / trainer.live, "eta": trainer.eta}) == []
     assert trainer.counters["mean_steps"] == 0 and not trainer.counters["peaked"]
+    trainer = SignTrainer({"model.layers.0.mlp.up_proj.weight": student}, load(SignSettings, **{**settings.__dict__, "warm": 5}), 100, Group())
+    assert spiking(trainer, [0] * 5 + [0, 1, 3, 9, 20, 40, 80, 160, 320, 640]) == []  # warm, then ten rising steps
+    assert trainer.counters["mean_steps"] == 0
 
 
 def test_the_total_flip_and_heldout_guards():
