@@ -533,20 +533,26 @@ BF16_CPU_MIN_SPEEDUP = 1.5  # bf16 must beat float32 by this much: measured 4.4Ã
 
 
 def matmul_seconds(dtypes, shape=(256, 576, 1536), reps: int = 10) -> dict:
-    """The fastest of `reps` products of a [m, k] and a [k, n] matrix on the CPU in each of `dtypes` (one
-    warm-up each), the dtypes taking turns, so that a load that comes and goes (another process on the same
-    cores) slows each alike: a process started beside the default job on session 22's Intel Xeon, where bf16
-    runs at 0.62Ã— float32, chose bf16 when the two were timed one after the other."""
+    """The fastest of `reps` products of a [m, k] and a [k, n] matrix on one CPU thread in each of `dtypes`
+    (one warm-up each, the dtypes taking turns). One thread, because a load on the same cores slows MKL's
+    multi-threaded float32 GEMM far more than oneDNN's bf16 one: on session 22's 2-core Intel Xeon, with
+    another process multiplying beside it, both threads measured float32 at 11.9 ms and bf16 at 8.0 (bf16
+    would have been chosen) where alone they measure 2.0 and 3.0; one thread measured 3.1 and 5.6 either way."""
     m, k, n = shape
     pairs = {dtype: (torch.ones(m, k, dtype=dtype), torch.ones(k, n, dtype=dtype)) for dtype in dtypes}
-    for a, b in pairs.values():
-        a @ b
-    best = dict.fromkeys(dtypes, float("inf"))
-    for _ in range(reps):
-        for dtype, (a, b) in pairs.items():
-            t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for a, b in pairs.values():
             a @ b
-            best[dtype] = min(best[dtype], time.perf_counter() - t0)
+        best = dict.fromkeys(dtypes, float("inf"))
+        for _ in range(reps):
+            for dtype, (a, b) in pairs.items():
+                t0 = time.perf_counter()
+                a @ b
+                best[dtype] = min(best[dtype], time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return best
 
 
