@@ -40,10 +40,13 @@ guard multiplier (the seed's; it never recovers):
   * when the distinct flipped fraction exceeds `max_total_flip` (checked at each evaluation);
   * when the held-out KL exceeds 1.05 × best twice running.
 The spike guard (`spike_ratio`) halves the spike multiplier in the very step whose flips exceed
-`spike_ratio` × their running mean (an exponential mean over the steps since the schedule's peak and
-`SPIKE_BASELINE` steps after the warm ones, spikes left out) and 5e-4 of all signs; after every `SPIKE_BASELINE` steps without a spike it doubles back, up
-to 1. An avalanche of flips feeds itself within a few steps: faster than three steps running or an
-evaluation.
+`spike_ratio` × their running mean as it stood `SPIKE_BASELINE` quiet steps earlier (an exponential mean over
+the steps since the schedule's peak and `SPIKE_BASELINE` steps after the warm ones, spikes left out) and 5e-4
+of all signs; after every `SPIKE_BASELINE` steps without a spike it doubles back, up to 1. An avalanche of
+flips feeds itself within a few steps: faster than three steps running or an evaluation. The mean it is
+compared with lags, because an avalanche that grows 15–30 % a step drags a current mean up behind it: on the
+H200 (session 23) the flips rose from 57k to 367k a step in 18 steps and never exceeded 2.4 × the current
+mean, but 3 × the mean of ten steps before in the avalanche's third step.
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ from nvg.settings import check
 BYTES_PER_SIGN = {"adam": 12, "factored": 6, "plain": 4}
 ROLES = tuple(BODY_ROLES)
 BUCKET_LAYERS = 6  # consecutive layers whose same-shaped sign matrices are updated as one
-SPIKE_BASELINE = 10  # steps after the warm ones before the mean starts, of mean before the guard compares, and
-# quiet ones before η doubles back
+SPIKE_BASELINE = 10  # steps after the warm ones before the mean starts, the lag of the mean a step's flips are
+# compared with, and quiet steps before η doubles back
 SPIKE_FLOOR = 5e-4  # a step flipping fewer of all signs is no spike, whatever its ratio (session 22: 3–4e-4 a step
 # at the peak of a healthy run, 1.5e-3 in the avalanche's first step)
 SPIKE_DECAY = 0.9  # of the running mean of flips a step
@@ -256,7 +259,7 @@ class SignTrainer:
                     self.latents[f"{name}:{part}"]["z"].copy_(getattr(m, part) * margin_magnitudes(margin, settings))
         self.counters = {"sign_steps": 0, "eta_mul": 1.0, "hi_streak": 0, "bad_evals": 0,
                          "flips_total": 0, "saturated_total": 0, "clamped_total": 0,
-                         "peaked": False, "flip_mean": 0.0, "mean_steps": 0, "spike_mul": 1.0, "quiet_steps": 0, "spikes": 0}
+                         "peaked": False, "flip_means": [], "spike_mul": 1.0, "quiet_steps": 0, "spikes": 0}
         self.live = sum(p.numel() for p in self.mats.values())
         dev = next(iter(self.mats.values())).device if self.mats else torch.device("cpu")
         self._counts = torch.zeros(4, dtype=torch.int64, device=dev)  # this step's flips, saturated, clamped, non-finite
@@ -361,17 +364,17 @@ class SignTrainer:
         # mean starts after both (on the real teacher a block's flips rose from 0 to 3,239 a step in the ten
         # steps after its warm ones, then fell)
         if s.spike_ratio > 0 and c["peaked"] and c["sign_steps"] > s.warm + SPIKE_BASELINE:
-            flips = step["flips"]
-            if (c["mean_steps"] >= SPIKE_BASELINE and flips > s.spike_ratio * c["flip_mean"]
+            flips, means = step["flips"], c["flip_means"]  # the running mean after each of the last quiet steps
+            if (len(means) > SPIKE_BASELINE and flips > s.spike_ratio * means[0]
                     and step["flip_rate"] > SPIKE_FLOOR):
                 c["spike_mul"] *= 0.5
                 c["quiet_steps"] = 0
                 c["spikes"] += 1
-                lines.append(f"guard: {flips} flips > {s.spike_ratio:g} × their mean {c['flip_mean']:.0f} — sign η "
-                             f"halved (spike ×{c['spike_mul']})")
+                lines.append(f"guard: {flips} flips > {s.spike_ratio:g} × their mean {means[0]:.0f} ({SPIKE_BASELINE} "
+                             f"quiet steps ago) — sign η halved (spike ×{c['spike_mul']})")
             else:
-                c["flip_mean"] = flips if c["mean_steps"] == 0 else SPIKE_DECAY * c["flip_mean"] + (1 - SPIKE_DECAY) * flips
-                c["mean_steps"] += 1
+                means.append(flips if not means else SPIKE_DECAY * means[-1] + (1 - SPIKE_DECAY) * flips)
+                del means[:-SPIKE_BASELINE - 1]
                 c["quiet_steps"] += 1
                 if c["spike_mul"] < 1.0 and c["quiet_steps"] >= SPIKE_BASELINE:
                     c["spike_mul"] = min(1.0, 2 * c["spike_mul"])
