@@ -71,6 +71,10 @@ run)
     dir=/root/ablation/$name
     [[ -d $dir ]] || { mkdir -p /root/ablation && cp -a "$PWD" "$dir"; }
     ( set +e; cd "$dir"; start=$(date +%s)
+      # A Snakemake killed at the last call's limit leaves its lock, which fails this call at once (session 23
+      # lost a call so); no other Snakemake runs in this copy. (A job it was killed in is left marked
+      # incomplete: Snakemake then asks for --rerun-incomplete, or --cleanup-metadata once its log says it wrote.)
+      snakemake --unlock --configfile $BASE "bench/ablation/$name.yaml" > /dev/null 2>&1
       # Snakemake leads its own process group, so that at the limit SIGINT reaches its jobs too, as a terminal's
       # Ctrl-C does: train_student ends its step, saves its state and stops (the next call resumes there with
       # nothing lost), and Snakemake, which waits for its jobs, then exits; 25 s later the group is killed.
