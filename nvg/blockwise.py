@@ -60,9 +60,9 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
                       autocast, generator: torch.Generator, signs=None) -> tuple[dict, torch.Tensor]:
     """Train `block` (in place) for `steps` Adam steps of `batch` rows drawn from `x` → `y` [n, t, d] (float32).
     `signs()`, when given, makes the block's `SignTrainer` (its sign matrices then train too).
-    Returns the `token_error` over every row before and after, and the block's output on `x` (the next
-    block's input, so that it is computed once); when training made the error worse (it should not), the
-    block's starting values, signs included, are put back."""
+    Returns the `token_error` over every row before and after (with signs: their statistics and the step
+    guards' lines), and the block's output on `x` (the next block's input, so that it is computed once); when
+    training made the error worse (it should not), the block's starting values, signs included, are put back."""
     params = block_trainable(block)
     start = {n: p.detach().clone() for n, p in params.items()}
     before = float(token_error(run_block(block, x, cos, sin, batch, autocast), y))
@@ -70,6 +70,7 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
     start_bits = trainer.snapshot() if trainer is not None else None
     opt = torch.optim.Adam(param_groups(params, relative=True), lr=lr, fused=x.is_cuda)
     first = last = None
+    guard_lines = []  # what the sign step guards did, step by step
     for step in range(1, steps + 1):
         rows = torch.randint(len(x), (batch,), generator=generator).to(x.device)
         if trainer is not None:
@@ -79,7 +80,7 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
         loss = token_error(out, y[rows])
         loss.backward()  # the sign latents move inside it, bucket by bucket
         if trainer is not None:
-            trainer.after_step(trainer.end_step())  # the step guards
+            guard_lines += [f"step {step}: {line}" for line in trainer.after_step(trainer.end_step())[2]]
         for group in opt.param_groups:
             group["lr"] = lr * lr_shape(step, steps) * group["lr_scale"]
         opt.step()
@@ -104,5 +105,6 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
              "first_loss": None if first is None else float(first), "last_loss": None if last is None else float(last)}
     if sign_stats is not None:
         stats["signs"] = {"flipped_fraction": sign_stats["flipped_fraction"] if kept else 0.0,
-                          "churn": sign_stats["churn"], "eta": trainer.eta0 * trainer.counters["eta_mul"]}
+                          "churn": sign_stats["churn"], "eta": trainer.eta0 * trainer.counters["eta_mul"],
+                          "spikes": sign_stats["spikes"], "guards": guard_lines}
     return stats, out

@@ -163,6 +163,8 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
                   + (f", {100 * stats['signs']['flipped_fraction']:.2f}% of its signs flipped" if "signs" in stats else "")
                   + (f" (the spike guard fired {stats['signs']['spikes']} times)" if stats.get("signs", {}).get("spikes") else "")
                   + ("" if stats["kept"] else " (worse: starting values kept)"), file=sys.stderr)
+            for line in stats.get("signs", {}).get("guards", []):
+                print(f"    {line}", file=sys.stderr)
         seconds = time.perf_counter() - t0
         write_student(s_cmf, s_model, out, "nvg_reconstruct", {
             "windows_hash": str(attrs["tokens_blake2b"]), "rows": rows.tolist(), "tokens_per_block": s.steps * s.batch * int(ids.shape[1]),

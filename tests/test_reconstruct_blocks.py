@@ -100,6 +100,20 @@ def test_with_signs_a_block_flips_some_and_a_block_made_worse_gets_its_signs_bac
     assert block_sign_trainer(student, 0, settings("unused"), None) is None  # signs off: scales alone
 
 
+def test_the_sign_guards_lines_reach_the_blocks_record_and_log(stage_inputs, tmp_path, capsys):
+    """A guard that fires while a block trains its signs (here the flip-rate guard, set to fire at any flip
+    three steps running) is in the block's record, the provenance, and the stage's log under its block line."""
+    inputs = (stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5")
+    s = settings(tmp_path / "state", steps=8, signs={"enabled": True, "init": "margin", "eta": 0.2, "warm": 1, "max_step_flip": 1e-9})
+    main(*inputs, tmp_path / "out.cmf", s, stage_inputs / "grams.h5")
+    blocks = read_cmf(tmp_path / "out.cmf").header["provenance"]["nvg_reconstruct"]["blocks"]
+    lines = [line for b in blocks for line in b["signs"]["guards"]]
+    assert lines and all("flip rate" in line and "sign η halved" in line for line in lines)
+    assert all(b["signs"]["spikes"] == 0 for b in blocks)
+    log = capsys.readouterr().err
+    assert f"    {lines[0]}" in log and log.index("  block 0:") < log.index(f"    {blocks[0]['signs']['guards'][0]}")
+
+
 def test_a_step_that_would_raise_the_error_is_undone(stage_inputs):
     student = load_model(stage_inputs / "student.cmf")
     tokens, _ = read_windows(stage_inputs / "windows.h5")
