@@ -151,7 +151,8 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
     step (each matrix's RMS clipped to `update_clip` where it is > 0), the bits `p` follow the latents
     across the hysteresis band. `scalars` = (η, 2/τ/gscale, 1 − b1ᵗ, 1 − b2ᵗ). A matrix with a
     non-finite gradient is left as it is, the others move.
-    Returns (flips, saturated, clamped, non-finite) as int64 [4].
+    Returns (flips, saturated, clamped, non-finite) as int64 [4], and the largest of the matrices' step RMS
+    before the clip (0-dim float32; 1 for `plain`): whether the clip binds, and how the step grows before flips do.
 
     No test branches on the host: a host sync per bucket would stall the backward pass. (Compiled with
     inductor on the H200 it made the step no faster: docs/benchmarks.md.)"""
@@ -175,8 +176,9 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
         u = (m / bc1) / ((v / bc2).sqrt() + eps)
     else:
         u = g / (g.pow(2).mean(tuple(range(1, g.dim())), keepdim=True).sqrt() + eps)
+    rms = u.pow(2).mean(tuple(range(1, u.dim())), keepdim=True).sqrt()
     if update_clip > 0 and optimizer != "plain":  # plain's step has RMS 1 by construction
-        u = u / (u.pow(2).mean(tuple(range(1, u.dim())), keepdim=True).sqrt() / update_clip).clamp_min(1.0)
+        u = u / (rms / update_clip).clamp_min(1.0)
     z = st["z"]
     step = -eta * w * u
     saturated = ((z.abs() >= clamp) & (step * z > 0)).sum()  # pushing past the clamp: no effect
@@ -186,7 +188,7 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
     new = torch.where(z > hyst, 1.0, torch.where(z < -hyst, -1.0, p))
     flips = (new != p).sum()
     p.copy_(new)
-    return torch.stack([flips, saturated, clamped, bad.sum()])
+    return torch.stack([flips, saturated, clamped, bad.sum()]), (rms.flatten() * finite).max().float()
 
 
 def sign_reference(grams: Path, teacher_cmf: CmfFile, teacher):
@@ -263,6 +265,7 @@ class SignTrainer:
         self.live = sum(p.numel() for p in self.mats.values())
         dev = next(iter(self.mats.values())).device if self.mats else torch.device("cpu")
         self._counts = torch.zeros(4, dtype=torch.int64, device=dev)  # this step's flips, saturated, clamped, non-finite
+        self._step_rms = torch.zeros((), device=dev)  # this step's largest matrix step RMS before the clip
         self._scalars = torch.zeros(4, device=dev)  # η, the straight-through factor, Adam's bias corrections: begin_step
         self.hooks = []
         for key, p in self.mats.items():
@@ -310,6 +313,7 @@ class SignTrainer:
         # one host-to-device copy a step
         self._scalars = torch.tensor([self.eta, 2.0 / s.tau / gscale, 1 - s.b1**t, 1 - s.b2**t], device=self._counts.device)
         self._counts.zero_()
+        self._step_rms.zero_()
         return self.eta
 
     def _arrived(self, key: str, p: torch.nn.Parameter) -> None:
@@ -327,25 +331,30 @@ class SignTrainer:
         g = torch.stack([grads[k] for k in keys])
         if self.group.world > 1:
             g = self.group.sum(g) / self.group.world
-        self._counts += latent_step(self.s.optimizer, g, bits, st, self._scalars, self.s.b1, self.s.b2,
-                                    self.s.eps, self.s.hyst, self.s.clamp, self.s.update_clip)
+        counts, step_rms = latent_step(self.s.optimizer, g, bits, st, self._scalars, self.s.b1, self.s.b2,
+                                       self.s.eps, self.s.hyst, self.s.clamp, self.s.update_clip)
+        self._counts += counts
+        torch.maximum(self._step_rms, step_rms, out=self._step_rms)
 
     def end_step(self) -> dict:
         """After the backward pass: this step's counts (one host synchronisation)."""
         if self.pending:  # every sign matrix takes part in every forward pass, so every bucket completes
             raise RuntimeError(f"sign training: buckets {sorted(self.pending)} got only part of their gradients this step")
         c = self.counters
-        flips, sat, clamped, nonfinite = self._counts.tolist()
+        *counts, step_rms = torch.cat([self._counts.double(), self._step_rms.double().view(1)]).tolist()
+        flips, sat, clamped, nonfinite = map(int, counts)  # < 2^53: exact in float64
         c["sign_steps"] += 1
         c["flips_total"] += flips
         c["saturated_total"] += sat
         c["clamped_total"] += clamped
-        return {"flips": flips, "flip_rate": flips / max(1, self.live), "nonfinite": nonfinite, "eta": self.eta}
+        return {"flips": flips, "flip_rate": flips / max(1, self.live), "nonfinite": nonfinite, "eta": self.eta,
+                "step_rms": step_rms}
 
     def after_step(self, step: dict) -> tuple[dict, str, list[str]]:
         """After a completed step: metric fields, the progress note and the step guards' lines."""
-        return ({"sign_eta": step["eta"], "sign_flips": step["flips"]},
-                f"  η {step['eta']:.2e} flips {step['flips']} ({step['flip_rate']:.1e})", self.step_guards(step))
+        return ({"sign_eta": step["eta"], "sign_flips": step["flips"], "sign_step_rms": step["step_rms"]},
+                f"  η {step['eta']:.2e} flips {step['flips']} ({step['flip_rate']:.1e}) step RMS {step['step_rms']:.2f}",
+                self.step_guards(step))
 
     def step_guards(self, step: dict) -> list[str]:
         """After a completed step: the flip-rate guard (η halved when the flip rate exceeded

@@ -144,8 +144,12 @@ def test_update_clip_bounds_the_step_when_the_gradients_jump(optimizer):
             g = pull if big else torch.randn(bits.shape, generator=gen)
             before = st["z"].clone()
             scalars = torch.tensor([eta if big else 0.0, 1.0, 1 - b1**t, 1 - b2**t])
-            latent_step(optimizer, g, bits.clone(), st, scalars, b1, b2, 1e-8, 0.1, 2.0, clip)
+            _, step_rms = latent_step(optimizer, g, bits.clone(), st, scalars, b1, b2, 1e-8, 0.1, 2.0, clip)
         moves[clip] = (st["z"] - before).pow(2).mean((1, 2)).sqrt()
+        if clip == 0.0:  # the step RMS it reports is the move's, over η (the largest of the two matrices)
+            assert float(step_rms) == pytest.approx(float(moves[0.0].max()) / eta, rel=1e-3)
+        else:  # before the clip: past it, where the move is held to η
+            assert float(step_rms) > 2 * clip
     assert bool((moves[0.0] > 2 * eta).all()), moves[0.0]
     assert bool((moves[1.0] <= eta * (1 + 1e-5)).all()) and bool((moves[1.0] > 0.9 * eta).all()), moves[1.0]
 
@@ -323,6 +327,8 @@ def test_margin_initialised_signs_train_with_the_live_teacher_and_its_grams(stag
     out = train(stage_inputs, "signs-margin", epochs=1, targets="live", signs={**SIGNS, "init": "margin", "eta": 0.05})
     prov = out.header["provenance"]["nvg_train"]["signs"]
     assert prov["init"] == "margin" and prov["flips"] > 0
+    steps = [r for r in map(json.loads, (stage_inputs / "signs-margin.jsonl").read_text().splitlines()) if "sign_flips" in r]
+    assert steps and all(r["sign_step_rms"] > 0 for r in steps)  # each step's largest matrix step RMS, before the clip
 
 
 def test_margin_initialisation_refuses_grams_of_another_model(stage_inputs, tmp_path):
