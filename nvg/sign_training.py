@@ -32,6 +32,16 @@ step is scaled down to an RMS of at most `update_clip`. A second moment that lag
 gradients would otherwise multiply the latents' moves by up to √(1/(1 − b2)), and flips raise the gradients:
 on the H200 (session 22, η 0.04, 2550 steps) the flips per step went from 30k to 440k in 16 steps, the loss
 from 0.8 to 4.4, and the held-out KL took 900 steps to come back to what it had been.
+Before the moments take it, each matrix's gradient is scaled down to an RMS of at most `grad_clip` × its
+running RMS (the second moment's, as it stood before this step), as AdaGC clips each tensor's norm against
+its own history. The sign gradients are not clipped with the scales' (their updates run inside the backward
+pass, before the step's norm is known), and one outlier batch otherwise enters the first moment whole: a
+gradient k times the usual puts k/10 of it into the moment, which keeps it, decaying by b1 a step, for the
+next twenty or so: every latent travels up to about k·η in the outlier's direction (5.5–5.9 η at k = 10 on
+the toy of tests/test_sign_training.py; 1.3–1.4 η clipped at 2), against a band 2·hyst wide (0.2, five η at
+the GPU recipe's 0.04). On the H200 (session 23) the flips a step rose by a level at each of three
+batches whose scale gradient's norm was 3–7 × its neighbours' (steps 91, 103, 110: 31.5k → 40.7k, 57.4k →
+64.1k, 82.0k → 112.7k) and kept rising from each, into the avalanche.
 
 Step size: η = η0 · guard multiplier · spike multiplier · the metric's schedule shape, and 0 during the
 first `warm` sign steps, while the moments settle. η0 auto = min(0.15·τ/√steps, 4e-3·τ). Guards halve the
@@ -93,6 +103,7 @@ class SignSettings:
     max_step_flip: float
     max_total_flip: float
     update_clip: float
+    grad_clip: float
     spike_ratio: float
 
     def __post_init__(self):
@@ -145,23 +156,34 @@ def margin_magnitudes(margin: torch.Tensor, s: SignSettings) -> torch.Tensor:
 
 
 def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, eps: float, hyst: float,
-                clamp: float, update_clip: float) -> torch.Tensor:
+                clamp: float, update_clip: float, grad_clip: float) -> torch.Tensor:
     """One bucket's sign step, in place: `g`, `p` and the optimizer state `st` hold n matrices stacked on
-    dim 0. The state takes the straight-through gradient `g`, the latents move by η times the normalised
-    step (each matrix's RMS clipped to `update_clip` where it is > 0), the bits `p` follow the latents
-    across the hysteresis band. `scalars` = (η, 2/τ/gscale, 1 − b1ᵗ, 1 − b2ᵗ). A matrix with a
-    non-finite gradient is left as it is, the others move.
-    Returns (flips, saturated, clamped, non-finite) as int64 [4], and the largest of the matrices' step RMS
-    before the clip (0-dim float32; 1 for `plain`): whether the clip binds, and how the step grows before flips do.
+    dim 0. The state takes the straight-through gradient `g` (each matrix's RMS clipped to `grad_clip` × its
+    running RMS where it is > 0), the latents move by η times the normalised step (each matrix's RMS clipped
+    to `update_clip` where it is > 0), the bits `p` follow the latents across the hysteresis band.
+    `scalars` = (η, 2/τ/gscale, 1 − b1ᵗ, 1 − b2ᵗ, 1 − b2ᵗ⁻¹). A matrix with a non-finite gradient is left as
+    it is, the others move.
+    Returns (flips, saturated, clamped, non-finite, matrices whose gradient was clipped) as int64 [5], and the
+    largest of the matrices' step RMS before the update clip (0-dim float32; 1 for `plain`): whether that clip
+    binds, and how the step grows before flips do.
 
     No test branches on the host: a host sync per bucket would stall the backward pass. (Compiled with
     inductor on the H200 it made the step no faster: docs/benchmarks.md.)"""
-    eta, slope, bc1, bc2 = scalars[0], scalars[1], scalars[2], scalars[3]
+    eta, slope, bc1, bc2, bc2_before = scalars[0], scalars[1], scalars[2], scalars[3], scalars[4]
     bad = ~torch.isfinite(g)
     finite = ~bad.flatten(1).any(1)  # per matrix
     w = finite.to(g.dtype).view(-1, *[1] * (g.dim() - 1))  # 1 for a matrix that moves, 0 for one left as it is
     w_rows = w.squeeze(-1)  # for the factored row and column moments, one dimension fewer
     g = torch.where(w > 0, g, 0.0) * slope  # straight through, surrogate slope 2/τ
+    dims = tuple(range(1, g.dim()))
+    clipped = torch.zeros((), dtype=torch.int64, device=g.device)
+    if grad_clip > 0 and optimizer != "plain":  # plain divides by this step's own RMS: a gradient's size is lost anyway
+        # each matrix's mean square so far (0 before its first step: nothing to compare with, no clip)
+        seen = (st["v"] if optimizer == "adam" else st["v_row"]).flatten(1).mean(1) / bc2_before.clamp_min(1e-30)
+        ratio = (grad_clip**2 * seen / g.pow(2).mean(dims).clamp_min(1e-30)).sqrt()
+        scale = torch.where(seen > 0, ratio.clamp_max(1.0), 1.0)
+        clipped = (scale < 1).sum()
+        g = g * scale.view(-1, *[1] * (g.dim() - 1))
     if optimizer == "adam":
         st["m"].lerp_(g, (1 - b1) * w)
         st["v"].mul_(1 - (1 - b2) * w).addcmul_(g, g, value=1 - b2)
@@ -176,7 +198,7 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
         u = (m / bc1) / ((v / bc2).sqrt() + eps)
     else:
         u = g / (g.pow(2).mean(tuple(range(1, g.dim())), keepdim=True).sqrt() + eps)
-    rms = u.pow(2).mean(tuple(range(1, u.dim())), keepdim=True).sqrt()
+    rms = u.pow(2).mean(dims, keepdim=True).sqrt()
     if update_clip > 0 and optimizer != "plain":  # plain's step has RMS 1 by construction
         u = u / (rms / update_clip).clamp_min(1.0)
     z = st["z"]
@@ -188,7 +210,7 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
     new = torch.where(z > hyst, 1.0, torch.where(z < -hyst, -1.0, p))
     flips = (new != p).sum()
     p.copy_(new)
-    return torch.stack([flips, saturated, clamped, bad.sum()]), (rms.flatten() * finite).max().float()
+    return torch.stack([flips, saturated, clamped, bad.sum(), clipped]), (rms.flatten() * finite).max().float()
 
 
 def sign_reference(grams: Path, teacher_cmf: CmfFile, teacher):
@@ -264,9 +286,10 @@ class SignTrainer:
                          "peaked": False, "flip_means": [], "spike_mul": 1.0, "quiet_steps": 0, "spikes": 0}
         self.live = sum(p.numel() for p in self.mats.values())
         dev = next(iter(self.mats.values())).device if self.mats else torch.device("cpu")
-        self._counts = torch.zeros(4, dtype=torch.int64, device=dev)  # this step's flips, saturated, clamped, non-finite
+        self._counts = torch.zeros(5, dtype=torch.int64, device=dev)  # this step's flips, saturated, clamped, non-finite,
+        # matrices whose gradient grad_clip scaled down
         self._step_rms = torch.zeros((), device=dev)  # this step's largest matrix step RMS before the clip
-        self._scalars = torch.zeros(4, device=dev)  # η, the straight-through factor, Adam's bias corrections: begin_step
+        self._scalars = torch.zeros(5, device=dev)  # η, the straight-through factor, Adam's bias corrections: begin_step
         self.hooks = []
         for key, p in self.mats.items():
             p.requires_grad_(True)
@@ -311,7 +334,8 @@ class SignTrainer:
         c["peaked"] = c["peaked"] or shape >= 1.0  # the schedule's warm-up is over: flips from here on are the baseline
         self.eta = 0.0 if t <= s.warm else self.eta0 * c["eta_mul"] * c["spike_mul"] * shape
         # one host-to-device copy a step
-        self._scalars = torch.tensor([self.eta, 2.0 / s.tau / gscale, 1 - s.b1**t, 1 - s.b2**t], device=self._counts.device)
+        self._scalars = torch.tensor([self.eta, 2.0 / s.tau / gscale, 1 - s.b1**t, 1 - s.b2**t, 1 - s.b2**(t - 1)],
+                                     device=self._counts.device)
         self._counts.zero_()
         self._step_rms.zero_()
         return self.eta
@@ -332,7 +356,7 @@ class SignTrainer:
         if self.group.world > 1:
             g = self.group.sum(g) / self.group.world
         counts, step_rms = latent_step(self.s.optimizer, g, bits, st, self._scalars, self.s.b1, self.s.b2,
-                                       self.s.eps, self.s.hyst, self.s.clamp, self.s.update_clip)
+                                       self.s.eps, self.s.hyst, self.s.clamp, self.s.update_clip, self.s.grad_clip)
         self._counts += counts
         torch.maximum(self._step_rms, step_rms, out=self._step_rms)
 
@@ -342,18 +366,20 @@ class SignTrainer:
             raise RuntimeError(f"sign training: buckets {sorted(self.pending)} got only part of their gradients this step")
         c = self.counters
         *counts, step_rms = torch.cat([self._counts.double(), self._step_rms.double().view(1)]).tolist()
-        flips, sat, clamped, nonfinite = map(int, counts)  # < 2^53: exact in float64
+        flips, sat, clamped, nonfinite, grad_clipped = map(int, counts)  # < 2^53: exact in float64
         c["sign_steps"] += 1
         c["flips_total"] += flips
         c["saturated_total"] += sat
         c["clamped_total"] += clamped
         return {"flips": flips, "flip_rate": flips / max(1, self.live), "nonfinite": nonfinite, "eta": self.eta,
-                "step_rms": step_rms}
+                "step_rms": step_rms, "grad_clipped": grad_clipped}
 
     def after_step(self, step: dict) -> tuple[dict, str, list[str]]:
         """After a completed step: metric fields, the progress note and the step guards' lines."""
-        return ({"sign_eta": step["eta"], "sign_flips": step["flips"], "sign_step_rms": step["step_rms"]},
-                f"  η {step['eta']:.2e} flips {step['flips']} ({step['flip_rate']:.1e}) step RMS {step['step_rms']:.2f}",
+        return ({"sign_eta": step["eta"], "sign_flips": step["flips"], "sign_step_rms": step["step_rms"],
+                 "sign_grad_clipped": step["grad_clipped"]},
+                f"  η {step['eta']:.2e} flips {step['flips']} ({step['flip_rate']:.1e}) step RMS {step['step_rms']:.2f}"
+                f" gradients clipped {step['grad_clipped']}/{len(self.mats)}",
                 self.step_guards(step))
 
     def step_guards(self, step: dict) -> list[str]:

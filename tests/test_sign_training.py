@@ -143,8 +143,8 @@ def test_update_clip_bounds_the_step_when_the_gradients_jump(optimizer):
             big = t > 290
             g = pull if big else torch.randn(bits.shape, generator=gen)
             before = st["z"].clone()
-            scalars = torch.tensor([eta if big else 0.0, 1.0, 1 - b1**t, 1 - b2**t])
-            _, step_rms = latent_step(optimizer, g, bits.clone(), st, scalars, b1, b2, 1e-8, 0.1, 2.0, clip)
+            scalars = torch.tensor([eta if big else 0.0, 1.0, 1 - b1**t, 1 - b2**t, 1 - b2**(t - 1)])
+            _, step_rms = latent_step(optimizer, g, bits.clone(), st, scalars, b1, b2, 1e-8, 0.1, 2.0, clip, 0.0)
         moves[clip] = (st["z"] - before).pow(2).mean((1, 2)).sqrt()
         if clip == 0.0:  # the step RMS it reports is the move's, over η (the largest of the two matrices)
             assert float(step_rms) == pytest.approx(float(moves[0.0].max()) / eta, rel=1e-3)
@@ -152,6 +152,44 @@ def test_update_clip_bounds_the_step_when_the_gradients_jump(optimizer):
             assert float(step_rms) > 2 * clip
     assert bool((moves[0.0] > 2 * eta).all()), moves[0.0]
     assert bool((moves[1.0] <= eta * (1 + 1e-5)).all()) and bool((moves[1.0] > 0.9 * eta).all()), moves[1.0]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "factored"])
+def test_grad_clip_holds_an_outlier_batch_to_twice_the_running_rms(optimizer):
+    """Moments settled on noise of RMS 1, then one batch whose gradient is 10× that, in one direction, then
+    noise again: unclipped, the outlier drives every latent the same way for as long as the first moment
+    keeps it; with grad_clip 2 it enters the moments exactly as the same direction at twice the running
+    RMS would, only that matrix-step is clipped, and the latents travel along it a fraction as far."""
+    from nvg.sign_training import latent_step
+
+    bits = torch.ones(2, 24, 40)
+    trainer = SignTrainer.__new__(SignTrainer)
+    trainer.s = load(SignSettings, enabled=True, optimizer=optimizer)
+    eta, b1, b2, clip = 0.01, 0.9, 0.999, 2.0
+    direction = torch.randn(bits.shape, generator=torch.Generator().manual_seed(1))
+
+    def run(grad_clip: float, outlier_scale=None):
+        gen = torch.Generator().manual_seed(0)
+        st, clipped, seen = trainer._fresh(bits), [], None
+        for t in range(1, 221):
+            g = torch.randn(bits.shape, generator=gen)
+            if t == 200:
+                seen = (st["v"].mean((1, 2)) if optimizer == "adam" else st["v_row"].mean(-1)) / (1 - b2 ** (t - 1))
+                g = direction * (10.0 if outlier_scale is None else outlier_scale.view(-1, 1, 1))
+            start = st["z"].clone() if t == 200 else start if t > 200 else None
+            scalars = torch.tensor([eta if t >= 200 else 0.0, 1.0, 1 - b1**t, 1 - b2**t, 1 - b2**(t - 1)])
+            counts, _ = latent_step(optimizer, g, bits.clone(), st, scalars, b1, b2, 1e-8, 0.1, 2.0, 1.0, grad_clip)
+            clipped.append(int(counts[4]))
+        travel = ((st["z"] - start) * -direction.sign()).mean((1, 2))  # along the outlier's pull
+        return st["z"], travel, clipped, seen
+
+    z_free, travel_free, clipped_free, seen = run(0.0)
+    z_clip, travel_clip, clipped, _ = run(clip)
+    rms_outlier = direction.pow(2).mean((1, 2)).sqrt() * 10.0
+    z_same, _, _, _ = run(0.0, outlier_scale=10.0 * clip * seen.sqrt() / rms_outlier)
+    assert torch.allclose(z_clip, z_same, atol=1e-6, rtol=0)
+    assert clipped[199] == 2 and sum(clipped) == 2 and sum(clipped_free) == 0, clipped
+    assert bool((travel_free > 3 * eta).all()) and bool((travel_clip < travel_free / 3).all()), (travel_free, travel_clip)
 
 
 def spiking(trainer, flips: list[int]) -> list[str]:
