@@ -60,8 +60,8 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
                       autocast, generator: torch.Generator, signs=None) -> tuple[dict, torch.Tensor]:
     """Train `block` (in place) for `steps` Adam steps of `batch` rows drawn from `x` → `y` [n, t, d] (float32).
     `signs()`, when given, makes the block's `SignTrainer` (its sign matrices then train too).
-    Returns the `token_error` over every row before and after (with signs: their statistics and the step
-    guards' lines), and the block's output on `x` (the next block's input, so that it is computed once); when
+    Returns the `token_error` over every row before and after (with signs: their statistics, the matrix-steps
+    whose gradient grad_clip scaled down and the step guards' lines), and the block's output on `x` (the next block's input, so that it is computed once); when
     training made the error worse (it should not), the block's starting values, signs included, are put back."""
     params = block_trainable(block)
     start = {n: p.detach().clone() for n, p in params.items()}
@@ -71,6 +71,7 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
     opt = torch.optim.Adam(param_groups(params, relative=True), lr=lr, fused=x.is_cuda)
     first = last = None
     guard_lines = []  # what the sign step guards did, step by step
+    grad_clipped = 0  # matrix-steps whose sign gradient grad_clip scaled down
     for step in range(1, steps + 1):
         rows = torch.randint(len(x), (batch,), generator=generator).to(x.device)
         if trainer is not None:
@@ -80,7 +81,9 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
         loss = token_error(out, y[rows])
         loss.backward()  # the sign latents move inside it, bucket by bucket
         if trainer is not None:
-            guard_lines += [f"step {step}: {line}" for line in trainer.after_step(trainer.end_step())[2]]
+            step_stats = trainer.end_step()
+            grad_clipped += step_stats["grad_clipped"]
+            guard_lines += [f"step {step}: {line}" for line in trainer.after_step(step_stats)[2]]
         for group in opt.param_groups:
             group["lr"] = lr * lr_shape(step, steps) * group["lr_scale"]
         opt.step()
@@ -106,5 +109,5 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
     if sign_stats is not None:
         stats["signs"] = {"flipped_fraction": sign_stats["flipped_fraction"] if kept else 0.0,
                           "churn": sign_stats["churn"], "eta": trainer.eta0 * trainer.counters["eta_mul"],
-                          "spikes": sign_stats["spikes"], "guards": guard_lines}
+                          "spikes": sign_stats["spikes"], "grad_clipped": grad_clipped, "guards": guard_lines}
     return stats, out

@@ -162,6 +162,8 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
             print(f"  block {i}: relative error {stats['before']:.5f} → {stats['after']:.5f}"
                   + (f", {100 * stats['signs']['flipped_fraction']:.2f}% of its signs flipped" if "signs" in stats else "")
                   + (f" (the spike guard fired {stats['signs']['spikes']} times)" if stats.get("signs", {}).get("spikes") else "")
+                  + (f" (sign gradients clipped in {stats['signs']['grad_clipped']} matrix-steps)"
+                     if stats.get("signs", {}).get("grad_clipped") else "")
                   + ("" if stats["kept"] else " (worse: starting values kept)"), file=sys.stderr)
             for line in stats.get("signs", {}).get("guards", []):
                 print(f"    {line}", file=sys.stderr)

@@ -114,6 +114,21 @@ def test_the_sign_guards_lines_reach_the_blocks_record_and_log(stage_inputs, tmp
     assert f"    {lines[0]}" in log and log.index("  block 0:") < log.index(f"    {blocks[0]['signs']['guards'][0]}")
 
 
+def test_the_matrix_steps_whose_sign_gradient_was_clipped_reach_the_blocks_record_and_log(stage_inputs, tmp_path, capsys):
+    """grad_clip so small that it binds in every step that has a running RMS to compare with (all but the first):
+    each block's record counts (steps − 1) × its sign matrices, and its log line says so; at 0 none."""
+    inputs = (stage_inputs / "student.cmf", stage_inputs / "teacher.cmf", stage_inputs / "windows.h5")
+    matrices = 2 * sum(n.startswith("model.layers.0.") for n in load_model(stage_inputs / "student.cmf").blr_linears())
+    for grad_clip, expected in ((1e-3, 7 * matrices), (0.0, 0)):
+        s = settings(tmp_path / f"state-{grad_clip}", steps=8, signs={"enabled": True, "init": "margin", "eta": 0.02, "warm": 1,
+                                                                     "grad_clip": grad_clip})
+        main(*inputs, tmp_path / f"out-{grad_clip}.cmf", s, stage_inputs / "grams.h5")
+        blocks = read_cmf(tmp_path / f"out-{grad_clip}.cmf").header["provenance"]["nvg_reconstruct"]["blocks"]
+        assert [b["signs"]["grad_clipped"] for b in blocks] == [expected] * len(blocks)
+        log = capsys.readouterr().err
+        assert (f"(sign gradients clipped in {expected} matrix-steps)" in log) == (expected > 0)
+
+
 def test_a_step_that_would_raise_the_error_is_undone(stage_inputs):
     student = load_model(stage_inputs / "student.cmf")
     tokens, _ = read_windows(stage_inputs / "windows.h5")
