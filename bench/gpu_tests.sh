@@ -6,9 +6,10 @@
 # a file, not a pipe, its workers are killed with it (-k), and compilation stays in the process.
 # Beside a variant's run in one call: `GPU_TESTS="decod or top_k" bash bench/ablation.sh run NAME` (or GPU_TESTS=all),
 # which waits for both. Not `while pgrep -f "pytest …"`: the pattern is in the call's own command line, so it
-# waits for itself to the call's limit (session 19 lost 4 device minutes so).
+# waits for itself to the call's limit (session 19 lost 4 device minutes so). -v: each test's name and outcome is in
+# the log as it ends, so a run stopped at the limit still says which test failed (session 25's `-q` said only "F").
 set -uo pipefail
 export PYTHONPATH=/root/site:/root/smk:$PWD TORCHINDUCTOR_COMPILE_THREADS=1
-timeout -k 10 "${1:-240}" python -m pytest -q tests/test_gpu_fast_paths.py ${2:+-k "$2"} > "$OUT/gpu_tests.log" 2>&1
+timeout -k 10 "${1:-240}" python -m pytest -v tests/test_gpu_fast_paths.py ${2:+-k "$2"} > "$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?"
 grep -E "passed|failed|skipped|FAILED|ERROR" "$OUT/gpu_tests.log" | tail -25

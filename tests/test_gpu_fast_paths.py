@@ -214,13 +214,16 @@ def test_reconstruct_blocks_on_cuda_matches_the_cpu(stage_inputs, tmp_path, sign
             assert gpu["signs"]["flipped_fraction"] == pytest.approx(cpu["signs"]["flipped_fraction"], rel=0.1, abs=1e-3)
 
 
-def test_sign_training_on_cuda_matches_the_cpu(stage_inputs):
-    """Sign training's hooks inside the compiled, checkpointed backward pass take the CPU's steps."""
+@pytest.mark.parametrize("grad_clip", [0.0, 2.0])
+def test_sign_training_on_cuda_matches_the_cpu(stage_inputs, grad_clip):
+    """Sign training's hooks inside the compiled, checkpointed backward pass take the CPU's steps, with and
+    without the gradient clip (session 25: with it at 2, by default then, this test failed once on the H200,
+    its report lost to the call's limit; on the CPU it binds in one matrix-step of the six here)."""
     from tests.conftest import train
 
-    signs = {"enabled": True, "warm": 0, "eta": 0.3}
-    runs = {dev: train(stage_inputs, f"signs-{dev}", device=dev, precision="fp32", epochs=1, stop_after=6, signs=signs)
-            for dev in ("cpu", "cuda")}
+    signs = {"enabled": True, "warm": 0, "eta": 0.3, "grad_clip": grad_clip}
+    runs = {dev: train(stage_inputs, f"signs-{grad_clip}-{dev}", device=dev, precision="fp32", epochs=1, stop_after=6,
+                       signs=signs) for dev in ("cpu", "cuda")}
     prov = {dev: cmf.header["provenance"]["nvg_train"] for dev, cmf in runs.items()}
     assert prov["cpu"]["signs"]["flips"] > 0
     assert prov["cuda"]["signs"]["flips"] == pytest.approx(prov["cpu"]["signs"]["flips"], rel=0.1)
