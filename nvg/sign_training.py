@@ -32,9 +32,10 @@ step is scaled down to an RMS of at most `update_clip`. A second moment that lag
 gradients would otherwise multiply the latents' moves by up to √(1/(1 − b2)), and flips raise the gradients:
 on the H200 (session 22, η 0.04, 2550 steps) the flips per step went from 30k to 440k in 16 steps, the loss
 from 0.8 to 4.4, and the held-out KL took 900 steps to come back to what it had been.
-Before the moments take it, each matrix's gradient is scaled down to an RMS of at most `grad_clip` × its
-running RMS (the second moment's, as it stood before this step), as AdaGC clips each tensor's norm against
-its own history. The sign gradients are not clipped with the scales' (their updates run inside the backward
+With `grad_clip` > 0 (off by default until the device has measured it; the GPU recipe's overlays set 2), each
+matrix's gradient is scaled down, before the moments take it, to an RMS of at most `grad_clip` × its running
+RMS (the second moment's, as it stood before this step), as AdaGC clips each tensor's norm against its own
+history. The sign gradients are not clipped with the scales' (their updates run inside the backward
 pass, before the step's norm is known), and one outlier batch otherwise enters the first moment whole: a
 gradient k times the usual puts k/10 of it into the moment, which keeps it, decaying by b1 a step, for the
 next twenty or so: every latent travels up to about k·η in the outlier's direction (5.5–5.9 η at k = 10 on
