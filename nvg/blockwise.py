@@ -61,7 +61,8 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
     """Train `block` (in place) for `steps` Adam steps of `batch` rows drawn from `x` → `y` [n, t, d] (float32).
     `signs()`, when given, makes the block's `SignTrainer` (its sign matrices then train too).
     Returns the `token_error` over every row before and after (with signs: their statistics, the matrix-steps
-    whose gradient grad_clip scaled down and the step guards' lines), and the block's output on `x` (the next block's input, so that it is computed once); when
+    whose gradient grad_clip scaled down and the step guards' lines), and the block's output on `x` (the next
+    block's input, so that it is computed once); when
     training made the error worse (it should not), the block's starting values, signs included, are put back."""
     params = block_trainable(block)
     start = {n: p.detach().clone() for n, p in params.items()}

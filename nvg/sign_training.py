@@ -198,7 +198,7 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
         v = st["v_row"].unsqueeze(-1) * st["v_col"].unsqueeze(-2) / st["v_row"].mean(-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)
         u = (m / bc1) / ((v / bc2).sqrt() + eps)
     else:
-        u = g / (g.pow(2).mean(tuple(range(1, g.dim())), keepdim=True).sqrt() + eps)
+        u = g / (g.pow(2).mean(dims, keepdim=True).sqrt() + eps)
     rms = u.pow(2).mean(dims, keepdim=True).sqrt()
     if update_clip > 0 and optimizer != "plain":  # plain's step has RMS 1 by construction
         u = u / (rms / update_clip).clamp_min(1.0)
@@ -380,7 +380,7 @@ class SignTrainer:
         return ({"sign_eta": step["eta"], "sign_flips": step["flips"], "sign_step_rms": step["step_rms"],
                  "sign_grad_clipped": step["grad_clipped"]},
                 f"  η {step['eta']:.2e} flips {step['flips']} ({step['flip_rate']:.1e}) step RMS {step['step_rms']:.2f}"
-                f" gradients clipped {step['grad_clipped']}/{len(self.mats)}",
+                + (f" gradients clipped {step['grad_clipped']}/{len(self.mats)}" if self.s.grad_clip > 0 else ""),
                 self.step_guards(step))
 
     def step_guards(self, step: dict) -> list[str]:

@@ -176,7 +176,7 @@ def test_grad_clip_holds_an_outlier_batch_to_twice_the_running_rms(optimizer):
             if t == 200:
                 seen = (st["v"].mean((1, 2)) if optimizer == "adam" else st["v_row"].mean(-1)) / (1 - b2 ** (t - 1))
                 g = direction * (10.0 if outlier_scale is None else outlier_scale.view(-1, 1, 1))
-            start = st["z"].clone() if t == 200 else start if t > 200 else None
+                start = st["z"].clone()
             scalars = torch.tensor([eta if t >= 200 else 0.0, 1.0, 1 - b1**t, 1 - b2**t, 1 - b2**(t - 1)])
             counts, _ = latent_step(optimizer, g, bits.clone(), st, scalars, b1, b2, 1e-8, 0.1, 2.0, 1.0, grad_clip)
             clipped.append(int(counts[4]))
