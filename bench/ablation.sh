@@ -16,6 +16,8 @@
 # ABLATION_CORES (default 8) is a variant's --cores: a torch stage claims 8 (TORCH_THREADS), so 16 runs two
 # corpus shards side by side on the one GPU (session 17: both in about 200 s, where one alone takes about 210
 # with the decoder's compile), for a variant run alone.
+# ABLATION_EXTRA: more overlay files, after the variant's (e.g. bench/ablation/first300.yaml: the first 300 steps of the
+# variant's schedule, where sessions 22 and 23's avalanches began).
 # PREFIX_TARGETS and RUN_TARGETS replace the default targets, so that one variant can be split between device
 # calls where Snakemake's DAG splits it (e.g. RUN_TARGETS=results/student/reconstructed.cmf in the call that
 # ends the prefix, then the training in the next): no step is trained twice and nothing compiles twice.
@@ -74,12 +76,12 @@ run)
       # A Snakemake killed at the last call's limit leaves its lock, which fails this call at once (session 23
       # lost a call so); no other Snakemake runs in this copy. (A job it was killed in is left marked
       # incomplete: Snakemake then asks for --rerun-incomplete, or --cleanup-metadata once its log says it wrote.)
-      snakemake --unlock --configfile $BASE "bench/ablation/$name.yaml" > /dev/null 2>&1
+      snakemake --unlock --configfile $BASE "bench/ablation/$name.yaml" ${ABLATION_EXTRA:-} > /dev/null 2>&1
       # Snakemake leads its own process group, so that at the limit SIGINT reaches its jobs too, as a terminal's
       # Ctrl-C does: train_student ends its step, saves its state and stops (the next call resumes there with
       # nothing lost), and Snakemake, which waits for its jobs, then exits; 25 s later the group is killed.
       CUDA_VISIBLE_DEVICES=$gpu setsid snakemake --cores "${ABLATION_CORES:-8}" ${RUN_TARGETS:-results/model.cmf results/eval.json} $TRIGGERS --quiet rules \
-        --configfile $BASE "bench/ablation/$name.yaml" > "$dir/snakemake.log" 2>&1 &
+        --configfile $BASE "bench/ablation/$name.yaml" ${ABLATION_EXTRA:-} > "$dir/snakemake.log" 2>&1 &
       smk=$!
       ( sleep "${ABLATION_LIMIT_S:-540}"; kill -INT -- -$smk; sleep 25; kill -KILL -- -$smk ) > /dev/null 2>&1 &
       watchdog=$!

@@ -255,15 +255,17 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     teacher = compile_blocks(build_model(cfg, dense.get).cuda()).requires_grad_(False)
     topk = Targets(tokens, batch, "bench", InMemoryTopk(ids.int().cpu().numpy(), logp.half().cpu().numpy()))
     live = Targets(tokens, batch, "bench")
-    modes = {"topk (scales)": (topk, None, False, False), "live (scales)": (live, teacher, False, False),
-             "live + signs": (live, teacher, True, False), "live, q2tp embedding": (live, teacher, False, True)}
+    # signs: the sign settings over the schema's defaults (None: scales only); grad_clip 2 is the GPU recipe's
+    modes = {"topk (scales)": (topk, None, None, False), "live (scales)": (live, teacher, None, False),
+             "live + signs": (live, teacher, {}, False), "live + signs, grad_clip 2": (live, teacher, {"grad_clip": 2.0}, False),
+             "live, q2tp embedding": (live, teacher, None, True)}
     for name, (targets, t, signs, q2tp) in modes.items():
         student = blr_student(cfg, dense, 1.0)
         student = compile_blocks((q2tp_embedding(student) if q2tp else student).cuda())
         sfpt = blr_flops_per_token(student) + attention_flops(cfg)
         d = Distiller(student, targets, torch.device("cuda"), batch=batch, precision="bf16", recompute_every=1, teacher=t)
-        if signs:
-            d.modes.append(SignTrainer(d.model.blr_linears(), load(SignSettings, enabled=True), 1000, Group()))
+        if signs is not None:
+            d.modes.append(SignTrainer(d.model.blr_linears(), load(SignSettings, enabled=True, **signs), 1000, Group()))
         opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
         row = measure(lambda: d.step(list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), batch * WINDOW,
                       3 * sfpt, iters, windows)  # the live teacher's forward is not counted in the FLOPs

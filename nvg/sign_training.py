@@ -178,13 +178,18 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
     g = torch.where(w > 0, g, 0.0) * slope  # straight through, surrogate slope 2/τ
     dims = tuple(range(1, g.dim()))
     clipped = torch.zeros((), dtype=torch.int64, device=g.device)
+    # The factored moments need g² only through its row and column means: computed once, before the clip, and the
+    # clip's scale² applied to those rank-sized means, so the clip costs no weight-sized pass of its own.
+    g2 = g * g if optimizer == "factored" else None
+    scale2 = None  # per matrix: the clip's scale, squared, [n, 1]
     if grad_clip > 0 and optimizer != "plain":  # plain divides by this step's own RMS: a gradient's size is lost anyway
         # each matrix's mean square so far (0 before its first step: nothing to compare with, no clip)
         seen = (st["v"] if optimizer == "adam" else st["v_row"]).flatten(1).mean(1) / bc2_before.clamp_min(1e-30)
-        ratio = (grad_clip**2 * seen / g.pow(2).mean(dims).clamp_min(1e-30)).sqrt()
-        scale = torch.where(seen > 0, ratio.clamp_max(1.0), 1.0)
+        ms = (g2 if g2 is not None else g.pow(2)).mean(dims)
+        scale = torch.where(seen > 0, (grad_clip**2 * seen / ms.clamp_min(1e-30)).sqrt().clamp_max(1.0), 1.0)
         clipped = (scale < 1).sum()
         g = g * scale.view(-1, *[1] * (g.dim() - 1))
+        scale2 = scale.pow(2).view(-1, *[1] * (g.dim() - 2))
     if optimizer == "adam":
         st["m"].lerp_(g, (1 - b1) * w)
         st["v"].mul_(1 - (1 - b2) * w).addcmul_(g, g, value=1 - b2)
@@ -192,9 +197,11 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
     elif optimizer == "factored":
         m = st["m"].float().lerp_(g, (1 - b1) * w)
         st["m"].copy_(m)
-        g2 = g * g
-        st["v_row"].mul_(1 - (1 - b2) * w_rows).add_(g2.mean(-1), alpha=1 - b2)
-        st["v_col"].mul_(1 - (1 - b2) * w_rows).add_(g2.mean(-2), alpha=1 - b2)
+        row2, col2 = g2.mean(-1), g2.mean(-2)
+        if scale2 is not None:
+            row2, col2 = row2 * scale2, col2 * scale2
+        st["v_row"].mul_(1 - (1 - b2) * w_rows).add_(row2, alpha=1 - b2)
+        st["v_col"].mul_(1 - (1 - b2) * w_rows).add_(col2, alpha=1 - b2)
         v = st["v_row"].unsqueeze(-1) * st["v_col"].unsqueeze(-2) / st["v_row"].mean(-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)
         u = (m / bc1) / ((v / bc2).sqrt() + eps)
     else:
