@@ -76,6 +76,10 @@ class Decoder:
         model.setup_cache(batch, max_len, half.get(self.precision, torch.float32))
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # updated in place: a static graph input
         self.greedy = torch.zeros((), dtype=torch.bool, device=device)
+        # The step reads the cache up to the length of the slice of this it is given: a tensor's size, marked dynamic,
+        # so the compile is symbolic in it from the first bucket on (an int is compiled as a constant first, then
+        # once more as a symbol: two compiles of about a minute each on the H200, where now one serves every bucket).
+        self.kv_positions = torch.arange(max_len, device=device)
         self.step = self._step
         backend = backend or ("inductor" if device.type == "cuda" else None)
         if backend:
@@ -87,9 +91,9 @@ class Decoder:
             options = COMPILE_OPTIONS if backend == "inductor" else None
             self.step = torch.compile(self._step, fullgraph=True, backend=backend, options=options)
 
-    def _step(self, ids: torch.Tensor, pos: torch.Tensor, greedy: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def _step(self, ids: torch.Tensor, pos: torch.Tensor, greedy: torch.Tensor, kv_window: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.precision):
-            h = self.model.decode(ids[:, None], pos, kv_len)[:, -1]
+            h = self.model.decode(ids[:, None], pos, kv_window.shape[0])[:, -1]
             logits = F.linear(h, self.model.head_weight.to(h.dtype)).float()
         return torch.where(greedy, logits.argmax(-1), sample(logits, self.temperature, self.top_k, self.top_p))
 
@@ -99,5 +103,6 @@ class Decoder:
         A fresh tensor (a CUDA graph's output buffer is reused by its next replay)."""
         self.pos.fill_(pos)
         self.greedy.fill_(greedy)
-        kv_len = min(self.max_len, (pos // KV_BUCKET + 1) * KV_BUCKET)
-        return self.step(ids, self.pos, self.greedy, kv_len).clone()
+        kv_window = self.kv_positions[: min(self.max_len, (pos // KV_BUCKET + 1) * KV_BUCKET)]
+        torch._dynamo.mark_dynamic(kv_window, 0)
+        return self.step(ids, self.pos, self.greedy, kv_window).clone()
