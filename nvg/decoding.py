@@ -5,7 +5,8 @@ step (the model, the LM head and the draw) is compiled with inductor in "reduce-
 (deterministically, see COMPILE_OPTIONS): captured as a CUDA graph and replayed, so a step costs one launch instead of ~30 layers × a dozen
 kernels, which is what bounds small-model decoding. Two more things keep the step short:
   * attention reads the cache only up to the next multiple of `KV_BUCKET` past the position (one graph
-    per bucket), not the whole `max_len`: at 1024 tokens that halves the cache traffic on average;
+    per bucket, all of them from one compile: the length is a dynamic size), not the whole `max_len`: at 1024
+    tokens that halves the cache traffic on average;
   * the draw is Gumbel-max inside the graph (argmax of logits/T + Gumbel noise samples the softmax
     exactly), so no [batch, vocab] tensor leaves the graph; top-k / top-p restrict it in the graph too
     (`sample`: top-k draws among the k largest logits only).

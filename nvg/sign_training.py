@@ -178,8 +178,9 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
     g = torch.where(w > 0, g, 0.0) * slope  # straight through, surrogate slope 2/τ
     dims = tuple(range(1, g.dim()))
     clipped = torch.zeros((), dtype=torch.int64, device=g.device)
-    # The factored moments need g² only through its row and column means: computed once, before the clip, and the
-    # clip's scale² applied to those rank-sized means, so the clip costs no weight-sized pass of its own.
+    # The factored moments need g² only through its row and column means: computed once, before the clip (whose
+    # mean square it also gives), and the clip's scale² applied to those rank-sized means. What the clip still costs
+    # at weight size is the clipped copy of g the first moment takes (13 % of the sign step: docs/benchmarks.md).
     g2 = g * g if optimizer == "factored" else None
     scale2 = None  # per matrix: the clip's scale, squared, [n, 1]
     if grad_clip > 0 and optimizer != "plain":  # plain divides by this step's own RMS: a gradient's size is lost anyway
