@@ -2,9 +2,9 @@
 step as it was before session 26 (the cache length passed as an int: dynamo compiled it as a constant for the
 first KV bucket, then again as a symbol for the others). A random SmolLM2-135M-shaped model (compile time and
 step time depend on the shapes, not the weights), `--batch` sequences of `--length` tokens, both decoders
-compiled from an empty inductor cache in one process; one JSON line per decoder: the seconds to the first
-token (the first compile), to the first token of each later bucket (a recompile shows there), the whole
-batch's seconds, and the tokens/s of a second, warm batch.
+compiled from an empty inductor cache in one process; one JSON line per decoder: the seconds of the first
+step of each bucket (the first holds the compile; a recompile shows in a later one), the whole cold batch's
+seconds, and the tokens/s of a second, warm batch.
 
     python bench/decode_compile.py --out "$OUT/decode_compile.jsonl"
 """
@@ -40,7 +40,7 @@ class IntLengthDecoder(Decoder):
 
 
 def one_batch(decoder: Decoder, batch: int, length: int) -> tuple[float, dict]:
-    """Seconds for one batch of `length` tokens, and the seconds since the start at each bucket's first token."""
+    """Seconds for one batch of `length` tokens, and the seconds of each bucket's first step, by its position."""
     torch.manual_seed(1234)
     tok = torch.arange(batch, device="cuda") + 5
     marks, start = {}, time.perf_counter()
