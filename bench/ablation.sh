@@ -5,6 +5,8 @@
 #                                              windows → top-k → Grams → encoded student), here, on GPU 0
 #   bash bench/ablation.sh corpus-out [NAME]   the generated corpus (here, or variant NAME's) to $OUT/corpus/,
 #                                              for the next session
+#   bash bench/ablation.sh start NAME[:GPU] ...  the variants one after another in a detached process that runs on
+#                                              between device calls; `collect SECONDS` waits and sends back
 #   bash bench/ablation.sh run NAME[:GPU] ...  each variant (bench/ablation/NAME.yaml over base.yaml) in its
 #                                              own copy of this checkout with those results, one per GPU, in
 #                                              parallel; then its eval.json, metrics, logs and stage times to $OUT
@@ -93,6 +95,49 @@ run)
   wait
   for spec in "$@"; do tail -1 "/root/ablation/${spec%%:*}/snakemake.log"; done
   [[ -z ${GPU_TESTS:-} ]] || cat "$OUT/gpu_tests.txt"
+  ;;
+start)
+  # The variants one after another, from the teacher to eval.json, in a process that outlives the device call
+  # (setsid): the machine keeps training between calls while it stays warm, so no call ends in a stopped step, a
+  # resume and a recompile, and no step waits for the next call (sessions 24-26 lost their prefix to the gap
+  # between two calls). Each later variant starts from a copy of the first one's folder (its prefix; Snakemake's
+  # params trigger retrains what its overlay changes). `collect` brings back what is done.
+  shift
+  mkdir -p /root/out
+  cp bench/ablation.sh /root/out/ablation.sh  # bash reads a script as it runs it: the next call's checkout may replace this one
+  setsid nohup bash /root/out/ablation.sh chain "$@" > /root/out/chain.log 2>&1 < /dev/null &
+  echo "started: $*"
+  ;;
+chain)
+  shift
+  first=${1%%:*}
+  for spec in "$@"; do
+    name=${spec%%:*}; gpu=${spec#*:}; [[ $gpu == "$spec" ]] && gpu=0
+    dir=/root/ablation/$name
+    if [[ ! -d $dir ]]; then
+      mkdir -p /root/ablation
+      if [[ $name != "$first" ]]; then cp -a "/root/ablation/$first" "$dir" && rm -rf "$dir/results/train"
+      else cp -a "$PWD" "$dir"; fi
+    fi
+    ( set +e; cd "$dir"; start=$(date +%s)
+      snakemake --unlock --configfile $BASE "bench/ablation/$name.yaml" ${ABLATION_EXTRA:-} > /dev/null 2>&1
+      CUDA_VISIBLE_DEVICES=$gpu snakemake --cores "${ABLATION_CORES:-16}" ${RUN_TARGETS:-results/model.cmf results/eval.json} \
+        $TRIGGERS --quiet rules --configfile $BASE "bench/ablation/$name.yaml" ${ABLATION_EXTRA:-} > snakemake.log 2>&1
+      echo "$name: exit $? after $(( $(date +%s) - start )) s" | tee -a snakemake.log
+      tar czf "/root/out/$name.tgz" snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl 2>/dev/null || true )
+  done
+  touch /root/out/chain.done
+  ;;
+collect)
+  # Wait up to $2 seconds for the chain to end, then send back every finished variant's archive, the chain's
+  # log and the running variant's logs and metrics so far.
+  for (( t = 0; t < ${2:-540}; t += 5 )); do [[ -e /root/out/chain.done ]] && break; sleep 5; done
+  cp /root/out/*.tgz /root/out/chain.log "$OUT/" 2>/dev/null || true
+  for dir in /root/ablation/*/; do
+    [[ -e /root/out/$(basename "$dir").tgz ]] || ( cd "$dir" && tar czf "$OUT/$(basename "$dir")-running.tgz" \
+      snakemake.log logs benchmarks results/train/metrics.jsonl 2>/dev/null ) || true
+  done
+  cat /root/out/chain.log; [[ -e /root/out/chain.done ]] && echo "chain done" || echo "chain running"
   ;;
 corpus-out)
   mkdir -p "$OUT/corpus"
