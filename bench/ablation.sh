@@ -103,9 +103,9 @@ start)
   # between two calls). Each later variant starts from a copy of the first one's folder (its prefix; Snakemake's
   # params trigger retrains what its overlay changes). `collect` brings back what is done.
   shift
-  mkdir -p /root/out
-  cp bench/ablation.sh /root/out/ablation.sh  # bash reads a script as it runs it: the next call's checkout may replace this one
-  setsid nohup bash /root/out/ablation.sh chain "$@" > /root/out/chain.log 2>&1 < /dev/null &
+  mkdir -p /root/chain  # not /root/out: the device's $OUT is emptied at each call's start (session 27 lost chain.log so)
+  cp bench/ablation.sh /root/chain/ablation.sh  # bash reads a script as it runs it: the next call's checkout may replace this one
+  setsid nohup bash /root/chain/ablation.sh chain "$@" > /root/chain/chain.log 2>&1 < /dev/null &
   echo "started: $*"
   ;;
 chain)
@@ -124,20 +124,20 @@ chain)
       CUDA_VISIBLE_DEVICES=$gpu snakemake --cores "${ABLATION_CORES:-16}" ${RUN_TARGETS:-results/model.cmf results/eval.json} \
         $TRIGGERS --quiet rules --configfile $BASE "bench/ablation/$name.yaml" ${ABLATION_EXTRA:-} > snakemake.log 2>&1
       echo "$name: exit $? after $(( $(date +%s) - start )) s" | tee -a snakemake.log
-      tar czf "/root/out/$name.tgz" snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl 2>/dev/null || true )
+      tar czf "/root/chain/$name.tgz" snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl 2>/dev/null || true )
   done
-  touch /root/out/chain.done
+  touch /root/chain/chain.done
   ;;
 collect)
   # Wait up to $2 seconds for the chain to end, then send back every finished variant's archive, the chain's
   # log and the running variant's logs and metrics so far.
-  for (( t = 0; t < ${2:-540}; t += 5 )); do [[ -e /root/out/chain.done ]] && break; sleep 5; done
-  cp /root/out/*.tgz /root/out/chain.log "$OUT/" 2>/dev/null || true
+  for (( t = 0; t < ${2:-540}; t += 5 )); do [[ -e /root/chain/chain.done ]] && break; sleep 5; done
+  cp /root/chain/*.tgz /root/chain/chain.log "$OUT/" 2>/dev/null || true
   for dir in /root/ablation/*/; do
-    [[ -e /root/out/$(basename "$dir").tgz ]] || ( cd "$dir" && tar czf "$OUT/$(basename "$dir")-running.tgz" \
+    [[ -e /root/chain/$(basename "$dir").tgz ]] || ( cd "$dir" && tar czf "$OUT/$(basename "$dir")-running.tgz" \
       snakemake.log logs benchmarks results/train/metrics.jsonl 2>/dev/null ) || true
   done
-  cat /root/out/chain.log; [[ -e /root/out/chain.done ]] && echo "chain done" || echo "chain running"
+  cat /root/chain/chain.log; [[ -e /root/chain/chain.done ]] && echo "chain done" || echo "chain running"
   ;;
 corpus-out)
   mkdir -p "$OUT/corpus"
