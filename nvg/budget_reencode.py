@@ -184,7 +184,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     prov = dict(header.get("provenance", {}))
     blr_bpw = {name: bpw for name, (fmt, bpw) in vocab.items() if fmt == "blr"}
     prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw,
-                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "embedding": vocab["model.embed_tokens.weight"][0], "embedding_bpw": blr_bpw.get("model.embed_tokens.weight"), "lm_head": vocab.get("lm_head.weight", (None,))[0], "lm_head_bpw": blr_bpw.get("lm_head.weight"), "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
+                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "v_groups": settings.v_groups, "embedding": vocab["model.embed_tokens.weight"][0], "embedding_bpw": blr_bpw.get("model.embed_tokens.weight"), "lm_head": vocab.get("lm_head.weight", (None,))[0], "lm_head_bpw": blr_bpw.get("lm_head.weight"), "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov
     header["quant_type"] = "BLR"

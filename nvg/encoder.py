@@ -40,6 +40,7 @@ class EncodeSettings:
     damp: float
     iters: int
     signs: str
+    v_groups: int
     embedding: str
     embedding_bpw: float
     embedding_damp: float
@@ -120,10 +121,11 @@ def v_sweep_change(a, rho, TH, H, g, old, new) -> torch.Tensor:
     return -2 * (ar.T @ TH * d).sum() + ((ar.T @ a) * ((d @ H) @ ((new + old) * g).T)).sum()
 
 
-def refine_path(f, target, H, rho, iters: int, v_signs: bool = False):
+def refine_path(f, target, H, rho, iters: int, v_signs: bool = False, v_groups: int = 8):
     """Alternating closed-form fits of h, ℓ, g under E = Σ_o ρ_o (t_o − ŵ_o) H (t_o − ŵ_o)ᵀ and exact
     coordinate descent on the U signs (each row of S_U is a small binary quadratic problem); with
-    `v_signs`, then on the V signs, kept where they lower E (their rows are coupled; `flip_v_signs`)."""
+    `v_signs`, then on the V signs in `v_groups` groups, kept where they lower E (their rows are coupled;
+    `flip_v_signs`)."""
     h, ell, g, su, sv = f
     TH = target @ H
     for _ in range(iters):
@@ -145,7 +147,7 @@ def refine_path(f, target, H, rho, iters: int, v_signs: bool = False):
         su = flip_u_signs(su, h, mmh @ mm.T, TH @ mm.T)
         if v_signs:
             a = h[:, None] * su * ell[None, :]
-            swept = flip_v_signs(sv, a, g, target, H, rho)
+            swept = flip_v_signs(sv, a, g, target, H, rho, v_groups)
             if v_sweep_change(a, rho, TH, H, g, sv, swept) < 0:
                 sv = swept
     return [h, ell, g, su, sv]
@@ -207,7 +209,7 @@ def encode_tensor(W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, bpw: floa
             for _ in range(max(1, s.iters // 2) if paths > 1 else 1):  # block coordinate descent over paths
                 for p in range(paths):
                     others = sum((path_weight(factors[q]) for q in range(paths) if q != p), torch.zeros_like(Wt))
-                    factors[p] = refine_path(factors[p], Wt - others, H, rho, s.iters, s.signs == "uv")
+                    factors[p] = refine_path(factors[p], Wt - others, H, rho, s.iters, s.signs == "uv", s.v_groups)
         blr = codec.BlrTensor.from_factors([[x.cpu().numpy() for x in (f[0], f[2], f[1], f[3], f[4])] for f in factors])
         What = torch.from_numpy(blr.dequantize()).to(device, torch.float32)  # as stored: f16 scales
         err = rel_error(Wt, What, Hs)

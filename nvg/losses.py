@@ -2,9 +2,11 @@
 the per-layer hidden-state loss.
 
 A [batch, window, vocab] float32 tensor never exists: each chunk of hidden states is projected to
-float32 logits, reduced (log-sum-exp, top-k, gather) and dropped. In training each chunk runs under
-activation checkpointing, so backward recomputes that chunk's logits instead of keeping them:
-peak memory is one [chunk, vocab] block, whatever the batch.
+float32 logits, reduced (log-sum-exp, top-k, gather) and dropped. In training on CUDA each chunk runs
+under activation checkpointing, so backward recomputes that chunk's logits instead of keeping them:
+peak memory is one [chunk, vocab] block, whatever the batch. The CPU keeps them (`_differentiable`): its
+memory holds a chunk's logits easily, and the recomputed head GEMM and log-sum-exp were a tenth of the
+default job's training step on 2 cores (docs/benchmarks.md).
 
 On CUDA each block's work is compiled by inductor (`_on_device`): the float32 widening, log-sum-exp,
 gather and softmax gradient over the [chunk, vocab] logits fuse into a few passes over memory instead
@@ -31,6 +33,13 @@ def _on_device(fn, x: torch.Tensor):
     if fn not in _compiled:
         _compiled[fn] = torch.compile(fn)
     return _compiled[fn]
+
+
+def _differentiable(block, args, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """`block(*args)`, under activation checkpointing when it is differentiable and on CUDA."""
+    if h.is_cuda and torch.is_grad_enabled() and (h.requires_grad or head.requires_grad):
+        return checkpoint(block, *args, use_reentrant=False)
+    return block(*args)
 
 
 def topk_last(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,18 +98,14 @@ def _kl_block(h, head, t_ids, t_logp, tail: bool):
 
 
 def topk_kl(hidden, head, t_ids, t_logp, tail: bool = False, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """Sum over tokens of KL(teacher top-k ‖ student); differentiable, chunked with checkpointing."""
+    """Sum over tokens of KL(teacher top-k ‖ student); differentiable, chunked (checkpointed on CUDA)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     ids = t_ids.reshape(-1, t_ids.shape[-1])
     lp = t_logp.reshape(-1, t_logp.shape[-1])
     total = hidden.new_zeros((), dtype=torch.float32)
     block = _on_device(_kl_block, h)
     for s in range(0, h.shape[0], chunk):
-        args = (h[s : s + chunk], head, ids[s : s + chunk], lp[s : s + chunk], tail)
-        if torch.is_grad_enabled() and (h.requires_grad or head.requires_grad):
-            total = total + checkpoint(block, *args, use_reentrant=False)
-        else:
-            total = total + block(*args)
+        total = total + _differentiable(block, (h[s : s + chunk], head, ids[s : s + chunk], lp[s : s + chunk], tail), h, head)
     return total
 
 
@@ -112,18 +117,14 @@ def _full_kl_block(h, head, t_h, t_head):
 
 def full_kl(hidden, head, t_hidden, t_head, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """Sum over tokens of KL(teacher ‖ student) over the whole vocabulary, from both models' final
-    hidden states (the live teacher's, without gradient); differentiable, chunked with checkpointing:
+    hidden states (the live teacher's, without gradient); differentiable, chunked, on CUDA with checkpointing:
     backward recomputes both chunks' logits instead of keeping two [tokens, vocab] float32 blocks."""
     h = hidden.reshape(-1, hidden.shape[-1])
     t_h = t_hidden.reshape(-1, t_hidden.shape[-1]).detach()
     total = hidden.new_zeros((), dtype=torch.float32)
     block = _on_device(_full_kl_block, h)
     for s in range(0, h.shape[0], chunk):
-        args = (h[s : s + chunk], head, t_h[s : s + chunk], t_head)
-        if torch.is_grad_enabled() and (h.requires_grad or head.requires_grad):
-            total = total + checkpoint(block, *args, use_reentrant=False)
-        else:
-            total = total + block(*args)
+        total = total + _differentiable(block, (h[s : s + chunk], head, t_h[s : s + chunk], t_head), h, head)
     return total
 
 

@@ -98,6 +98,22 @@ def test_refining_the_v_signs_too_lowers_the_error(paths):
     assert errs["uv"] < 0.97 * errs["u"], errs
 
 
+def test_the_v_sweep_runs_in_the_configured_groups(monkeypatch):
+    """encode.v_groups reaches every S_V sweep, and with 2 groups (the default job's) as with 8 the V signs
+    still lower the error against refining S_U's alone."""
+    import nvg.encoder as enc
+
+    w, h_fit, h_sel = correlated_problem()
+    seen, sweep = [], enc.flip_v_signs
+    monkeypatch.setattr(enc, "flip_v_signs", lambda *a: seen.append(a[-1]) or sweep(*a))
+    errs = {}
+    for signs, groups in (("u", 8), ("uv", 8), ("uv", 2)):
+        s = load(EncodeSettings, paths="2", signs=signs, v_groups=groups, device="cpu")
+        errs[signs, groups] = encode_tensor(w, h_fit, h_sel, 1.0, "up", 16, s, torch.device("cpu"), "t")[1]["rel_fit_error"]
+    assert seen and set(seen) == {8, 2} and seen.count(2) == seen.count(8)
+    assert max(errs["uv", 8], errs["uv", 2]) < errs["u", 8], errs
+
+
 def path_error(f, target, H, rho) -> torch.Tensor:
     """The encoder's objective E = Σ_o ρ_o (t_o − ŵ_o) H (t_o − ŵ_o)ᵀ of one path, directly."""
     from nvg.encoder import path_weight
