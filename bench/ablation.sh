@@ -55,6 +55,13 @@ if compgen -G ".corpus/generated.*.h5.gz.*" > /dev/null && [[ ! -d results/corpu
 for p in sys.argv[1:]:
     with h5py.File(p, 'r') as f: print(p, 'carried:', f.attrs['tokens_blake2b'], f.attrs['settings'])" results/corpus/*.h5
 fi
+# Variant $1's Snakemake in the current folder (its copy), on GPU $2, to snakemake.log; `run` and `chain` both use it.
+variant_snakemake() {
+  CUDA_VISIBLE_DEVICES=$2 snakemake --cores "${ABLATION_CORES:-$3}" ${RUN_TARGETS:-results/model.cmf results/eval.json} \
+    $TRIGGERS --quiet rules --configfile $BASE "bench/ablation/$1.yaml" ${ABLATION_EXTRA:-} > snakemake.log 2>&1
+}
+# What comes back of a variant: its Snakemake log, job logs, stage times, eval.json and training metrics.
+VARIANT_FILES="snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl"
 case $1 in
 prefix)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -82,15 +89,15 @@ run)
       # Snakemake leads its own process group, so that at the limit SIGINT reaches its jobs too, as a terminal's
       # Ctrl-C does: train_student ends its step, saves its state and stops (the next call resumes there with
       # nothing lost), and Snakemake, which waits for its jobs, then exits; 25 s later the group is killed.
-      CUDA_VISIBLE_DEVICES=$gpu setsid snakemake --cores "${ABLATION_CORES:-8}" ${RUN_TARGETS:-results/model.cmf results/eval.json} $TRIGGERS --quiet rules \
-        --configfile $BASE "bench/ablation/$name.yaml" ${ABLATION_EXTRA:-} > "$dir/snakemake.log" 2>&1 &
+      export -f variant_snakemake; export BASE TRIGGERS
+      setsid bash -c 'variant_snakemake "$@"' _ "$name" "$gpu" 8 &
       smk=$!
       ( sleep "${ABLATION_LIMIT_S:-540}"; kill -INT -- -$smk; sleep 25; kill -KILL -- -$smk ) > /dev/null 2>&1 &
       watchdog=$!
       wait $smk; status=$?
       pkill -P $watchdog 2> /dev/null; kill $watchdog 2> /dev/null
       echo "$name: exit $status after $(( $(date +%s) - start )) s" >> "$dir/snakemake.log"
-      tar czf "$OUT/$name.tgz" snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl 2>/dev/null || true ) &
+      tar czf "$OUT/$name.tgz" $VARIANT_FILES 2>/dev/null || true ) &
   done
   wait
   for spec in "$@"; do tail -1 "/root/ablation/${spec%%:*}/snakemake.log"; done
@@ -121,10 +128,9 @@ chain)
     fi
     ( set +e; cd "$dir"; start=$(date +%s)
       snakemake --unlock --configfile $BASE "bench/ablation/$name.yaml" ${ABLATION_EXTRA:-} > /dev/null 2>&1
-      CUDA_VISIBLE_DEVICES=$gpu snakemake --cores "${ABLATION_CORES:-16}" ${RUN_TARGETS:-results/model.cmf results/eval.json} \
-        $TRIGGERS --quiet rules --configfile $BASE "bench/ablation/$name.yaml" ${ABLATION_EXTRA:-} > snakemake.log 2>&1
+      variant_snakemake "$name" "$gpu" 16
       echo "$name: exit $? after $(( $(date +%s) - start )) s" | tee -a snakemake.log
-      tar czf "/root/chain/$name.tgz" snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl 2>/dev/null || true )
+      tar czf "/root/chain/$name.tgz" $VARIANT_FILES 2>/dev/null || true )
   done
   touch /root/chain/chain.done
   ;;

@@ -121,7 +121,7 @@ def v_sweep_change(a, rho, TH, H, g, old, new) -> torch.Tensor:
     return -2 * (ar.T @ TH * d).sum() + ((ar.T @ a) * ((d @ H) @ ((new + old) * g).T)).sum()
 
 
-def refine_path(f, target, H, rho, iters: int, v_signs: bool = False, v_groups: int = 8):
+def refine_path(f, target, H, rho, iters: int, v_signs: bool, v_groups: int):
     """Alternating closed-form fits of h, ℓ, g under E = Σ_o ρ_o (t_o − ŵ_o) H (t_o − ŵ_o)ᵀ and exact
     coordinate descent on the U signs (each row of S_U is a small binary quadratic problem); with
     `v_signs`, then on the V signs in `v_groups` groups, kept where they lower E (their rows are coupled;
