@@ -1,0 +1,109 @@
+"""Where a student's extra perplexity lies: by how sure the teacher is of the next token.
+
+The ratio evaluate reports is exp(mean over positions of the student's NLL minus the teacher's). This splits
+that mean by the teacher's entropy at each position, on the held-out windows and on each out-of-domain text:
+per bin, the share of positions and the mean excess NLL. Then it asks whether the out-of-domain ratio is what
+the held-out windows' excess per bin predicts for the out-of-domain text's own mix of bins ("mix-predicted"):
+if so, the unseen text is harder only because the teacher is surer there, and training text on which the
+teacher is surer is what would help; if the actual ratio is higher, the student fails on the unseen text's
+contexts as such, at equal teacher certainty.
+
+    python bench/excess_by_entropy.py --teacher results/teacher.cmf --student results/model.cmf \\
+        --windows results/data/windows.h5 --ood python-docs pkg:shksprdata/ancillary/britannica-11th.txt \\
+        --ood-tokens 16384 --out excess.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from nvg.artifacts import read_windows
+from nvg.cmf import read_verified
+from nvg.model import autocast, load_model, pick_device
+from nvg.sources import ChatRenderer, source_tokens
+
+EDGES = [0.0, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, float("inf")]  # teacher entropy, nats
+
+
+@torch.no_grad()
+def per_position(teacher, student, windows: np.ndarray, device, precision: str, batch: int) -> dict:
+    """Teacher entropy, teacher NLL and student NLL of every predicted position, float64 numpy [n]."""
+    out = {"entropy": [], "t_nll": [], "s_nll": []}
+    for s in range(0, len(windows), batch):
+        ids = torch.from_numpy(windows[s : s + batch]).to(device)
+        targets = ids[:, 1:].reshape(-1)
+        with autocast(device, precision):
+            t_h, s_h = teacher.hidden(ids)[:, :-1], student.hidden(ids)[:, :-1]
+        t_logp = (t_h.reshape(-1, t_h.shape[-1]).float() @ teacher.head_weight.float().T).log_softmax(-1)
+        s_logp = (s_h.reshape(-1, s_h.shape[-1]).float() @ student.head_weight.float().T).log_softmax(-1)
+        out["entropy"].append(-(t_logp.exp() * t_logp).sum(-1))
+        out["t_nll"].append(-t_logp.gather(-1, targets[:, None])[:, 0])
+        out["s_nll"].append(-s_logp.gather(-1, targets[:, None])[:, 0])
+    return {k: torch.cat(v).double().cpu().numpy() for k, v in out.items()}
+
+
+def by_bin(p: dict) -> list[dict]:
+    excess = p["s_nll"] - p["t_nll"]
+    rows = []
+    for lo, hi in zip(EDGES[:-1], EDGES[1:]):
+        m = (p["entropy"] >= lo) & (p["entropy"] < hi)
+        rows.append({"entropy": [lo, hi], "share": float(m.mean()), "positions": int(m.sum()),
+                     "mean_excess_nll": float(excess[m].mean()) if m.any() else None,
+                     "teacher_nll": float(p["t_nll"][m].mean()) if m.any() else None})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--teacher", required=True)
+    ap.add_argument("--student", required=True)
+    ap.add_argument("--windows", required=True, help="windows.h5: its held-out rows are scored")
+    ap.add_argument("--ood", nargs="*", default=["python-docs", "pkg:shksprdata/ancillary/britannica-11th.txt"])
+    ap.add_argument("--ood-tokens", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    t_cmf, s_cmf = read_verified(a.teacher), read_verified(a.student)
+    tokens, attrs = read_windows(a.windows, t_cmf.arch["vocab_size"])
+    sets = {"held-out": tokens[int(attrs["n_train"]):]}
+    tok = Tokenizer.from_str(t_cmf.vocab.decode("utf-8"))
+    window = tokens.shape[1]
+    for source in a.ood:
+        ids = source_tokens(source, a.ood_tokens, tok, ChatRenderer(t_cmf, source))
+        sets[source] = ids[: len(ids) // window * window].reshape(-1, window)
+    device = pick_device(a.device)
+    teacher, student = load_model(t_cmf, device), load_model(s_cmf, device)
+    report = {}
+    reference = None
+    for label, w in sets.items():
+        p = per_position(teacher, student, w, device, a.precision, a.batch)
+        bins = by_bin(p)
+        actual = float((p["s_nll"] - p["t_nll"]).mean())
+        entry = {"ppl_ratio": math.exp(actual), "teacher_mean_entropy": float(p["entropy"].mean()), "bins": bins}
+        if reference is None:
+            reference = bins
+        else:  # the held-out windows' excess per bin, at this text's mix of bins
+            pred = sum(b["share"] * r["mean_excess_nll"] for b, r in zip(bins, reference)
+                       if b["share"] > 0 and r["mean_excess_nll"] is not None)
+            entry["mix_predicted_ppl_ratio"] = math.exp(pred)
+        report[label] = entry
+        print(f"{label}: ratio {entry['ppl_ratio']:.3f}" + (f", mix-predicted {entry['mix_predicted_ppl_ratio']:.3f}"
+              if "mix_predicted_ppl_ratio" in entry else "") + f", teacher entropy {entry['teacher_mean_entropy']:.3f}")
+        for b in bins:
+            if b["positions"]:
+                print(f"  H in [{b['entropy'][0]}, {b['entropy'][1]}): {b['share']:6.1%} of positions, "
+                      f"excess NLL {b['mean_excess_nll']:.3f}, teacher NLL {b['teacher_nll']:.3f}")
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
