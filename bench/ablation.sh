@@ -60,8 +60,15 @@ variant_snakemake() {
   CUDA_VISIBLE_DEVICES=$2 snakemake --cores "${ABLATION_CORES:-$3}" ${RUN_TARGETS:-results/model.cmf results/eval.json} \
     $TRIGGERS --quiet rules --configfile $BASE "bench/ablation/$1.yaml" ${ABLATION_EXTRA:-} > snakemake.log 2>&1
 }
-# What comes back of a variant: its Snakemake log, job logs, stage times, eval.json and training metrics.
-VARIANT_FILES="snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl"
+# The finished student's extra loss by the teacher's entropy (bench/excess_by_entropy.py, seconds on the GPU), where
+# the variant got that far.
+variant_excess() {
+  [[ -e results/eval.json ]] || return 0
+  CUDA_VISIBLE_DEVICES=$1 python bench/excess_by_entropy.py --teacher results/teacher.cmf --student results/model.cmf \
+    --windows results/data/windows.h5 --ood-tokens 16384 --batch 16 --out excess.json > excess.log 2>&1 || true
+}
+# What comes back of a variant: its Snakemake log, job logs, stage times, eval.json, training metrics and the split.
+VARIANT_FILES="snakemake.log logs benchmarks results/eval.json results/train/metrics.jsonl excess.json excess.log"
 case $1 in
 prefix)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -97,6 +104,7 @@ run)
       wait $smk; status=$?
       pkill -P $watchdog 2> /dev/null; kill $watchdog 2> /dev/null
       echo "$name: exit $status after $(( $(date +%s) - start )) s" >> "$dir/snakemake.log"
+      variant_excess "$gpu"
       tar czf "$OUT/$name.tgz" $VARIANT_FILES 2>/dev/null || true ) &
   done
   wait
@@ -130,6 +138,7 @@ chain)
       snakemake --unlock --configfile $BASE "bench/ablation/$name.yaml" ${ABLATION_EXTRA:-} > /dev/null 2>&1
       variant_snakemake "$name" "$gpu" 16
       echo "$name: exit $? after $(( $(date +%s) - start )) s" | tee -a snakemake.log
+      variant_excess "$gpu"
       tar czf "/root/chain/$name.tgz" $VARIANT_FILES 2>/dev/null || true )
   done
   touch /root/chain/chain.done
