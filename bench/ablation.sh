@@ -116,7 +116,8 @@ start)
   # (setsid): the machine keeps training between calls while it stays warm, so no call ends in a stopped step, a
   # resume and a recompile, and no step waits for the next call (sessions 24-26 lost their prefix to the gap
   # between two calls). Each later variant starts from a copy of the first one's folder (its prefix; Snakemake's
-  # params trigger retrains what its overlay changes). `collect` brings back what is done.
+  # params trigger retrains what its overlay changes; the first one's training, eval.json and split are left out, so
+  # that a later variant that stops early sends back none of them as its own). `collect` brings back what is done.
   shift
   mkdir -p /root/chain  # not /root/out: the device's $OUT is emptied at each call's start (session 27 lost chain.log so)
   cp bench/ablation.sh /root/chain/ablation.sh  # bash reads a script as it runs it: the next call's checkout may replace this one
@@ -131,7 +132,7 @@ chain)
     dir=/root/ablation/$name
     if [[ ! -d $dir ]]; then
       mkdir -p /root/ablation
-      if [[ $name != "$first" ]]; then cp -a "/root/ablation/$first" "$dir" && rm -rf "$dir/results/train"
+      if [[ $name != "$first" ]]; then cp -a "/root/ablation/$first" "$dir" && rm -rf "$dir/results/train" "$dir/results/eval.json" "$dir"/excess.*
       else cp -a "$PWD" "$dir"; fi
     fi
     ( set +e; cd "$dir"; start=$(date +%s)
