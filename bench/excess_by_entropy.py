@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from nvg.artifacts import read_windows
+from nvg.artifacts import check_encoded_from, read_windows
 from nvg.cmf import read_verified
 from nvg.model import autocast, load_model, pick_device
 from nvg.sources import ChatRenderer, source_tokens
@@ -72,6 +72,7 @@ def main():
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     t_cmf, s_cmf = read_verified(a.teacher), read_verified(a.student)
+    check_encoded_from(s_cmf, t_cmf)  # as evaluate does: a student of another teacher would split nonsense
     tokens, attrs = read_windows(a.windows, t_cmf.arch["vocab_size"])
     sets = {"held-out": tokens[int(attrs["n_train"]):]}
     tok = Tokenizer.from_str(t_cmf.vocab.decode("utf-8"))
