@@ -3,7 +3,10 @@
 Each sequence starts from one first token, takes `greedy_prefix` argmax tokens, then samples at
 `temperature` (with optional `top_k` / `top_p`) up to `length` tokens. First tokens: `vocab` walks a
 seeded permutation of the whole vocabulary (special tokens left out), so every id starts a sequence
-before any repeats (LLM-QAT); `random` draws them uniformly. Sequences are split into `shards`
+before any repeats (LLM-QAT); `random` draws them uniformly. With `chat`, the decoder first reads the teacher's chat template up to a
+user message's text (Magpie): the teacher then writes a user's request from that first token and, after its own
+end of turn, the answer, the text its instruct tuning made it fluent in; that opening is context, not written
+(`length` tokens from the first token on, as without it). Sequences are split into `shards`
 independent jobs (as the teacher pass is), each seeded by (seed, shard). The output is token ids,
 never text: no decode and re-tokenize round trip. `tokenize_windows` cuts them into windows when
 `data.sources` names `generated`. Decoding is batched with a static KV cache (`nvg/decoding.py`),
@@ -31,6 +34,7 @@ from nvg.decoding import Decoder
 from nvg.errors import NvgError, exits_cleanly
 from nvg.model import load_model, pick_device
 from nvg.progress import bar
+from nvg.sources import ChatRenderer
 from nvg.settings import SETTINGS_HELP, load
 
 
@@ -43,6 +47,7 @@ class CorpusSettings:
     length: int
     shards: int
     first_token: str
+    chat: bool
     greedy_prefix: int
     temperature: float
     top_k: int
@@ -68,19 +73,39 @@ def first_tokens(tokenizer_json: bytes, vocab_size: int, settings: CorpusSetting
     return ids[order[: settings.sequences]]
 
 
-def sample_sequences(decoder: Decoder, firsts: np.ndarray, s: CorpusSettings, label: str) -> np.ndarray:
-    """Sequences int32 [len(firsts), length], `decoder.batch` at a time: the first token, `greedy_prefix`
-    argmax tokens, then draws."""
+USER_TEXT = "\x00nvg user text\x00"  # where the template puts a user's words: no template writes this itself
+
+
+def chat_opening(cmf, source: Path) -> list[int]:
+    """The token ids of the teacher's chat template before a user message's text (with the system prompt the
+    template adds by itself, if any): rendered through the tokenizer's own template, so special tokens get
+    their real ids."""
+    from tokenizers import Tokenizer
+
+    if not cmf.header.get("tokenizer_config", {}).get("chat_template"):
+        raise NvgError(f"{source}: config generate_corpus.chat is true but the teacher has no chat_template")
+    rendered = ChatRenderer(cmf, source)([{"role": "user", "content": USER_TEXT}])
+    opening = rendered[: rendered.index(USER_TEXT)]
+    return Tokenizer.from_str(cmf.vocab.decode("utf-8")).encode(opening, add_special_tokens=False).ids
+
+
+def sample_sequences(decoder: Decoder, firsts: np.ndarray, opening: list[int], s: CorpusSettings,
+                     label: str) -> np.ndarray:
+    """Sequences int32 [len(firsts), length], `decoder.batch` at a time: after the `opening` (context only),
+    the first token, `greedy_prefix` argmax tokens, then draws."""
     batch, device = decoder.batch, decoder.device
+    start_pos = len(opening)
     tokens = np.zeros((len(firsts), s.length), dtype=np.int32)
     pb = bar(len(firsts), label, "seq")
     for start in range(0, len(firsts), batch):
         n = min(batch, len(firsts) - start)
         first = torch.from_numpy(firsts[start : start + n]).to(device)
+        for pos, opening_id in enumerate(opening):  # fills the cache; what the teacher would write here is unused
+            decoder.next_ids(torch.full((batch,), opening_id, device=device), pos, greedy=True)
         tok = torch.cat([first, first[-1:].expand(batch - n)])  # pad to the static batch; padding is dropped
         seq = [tok]
         for t in range(s.length - 1):
-            tok = decoder.next_ids(tok, t, greedy=t < s.greedy_prefix)
+            tok = decoder.next_ids(tok, start_pos + t, greedy=t < s.greedy_prefix)
             seq.append(tok)
         tokens[start : start + n] = torch.stack(seq, 1)[:n].cpu().numpy()
         pb.update(n)
@@ -93,19 +118,20 @@ def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None
     cmf = read_verified(teacher)
     if not cmf.vocab:
         raise NvgError(f"{teacher}: vocab section is empty (no tokenizer to pick first tokens with)")
-    if s.length > cmf.arch["max_position_embeddings"]:
-        raise NvgError(f"config generate_corpus.length: {s.length} exceeds the teacher's max_position_embeddings "
-                       f"{cmf.arch['max_position_embeddings']}")
+    opening = chat_opening(cmf, teacher) if s.chat else []
+    if len(opening) + s.length > cmf.arch["max_position_embeddings"]:
+        raise NvgError(f"config generate_corpus.length: {s.length} (after a chat opening of {len(opening)} tokens) "
+                       f"exceeds the teacher's max_position_embeddings {cmf.arch['max_position_embeddings']}")
     rows = shard_rows(s.sequences, shard, s.shards)
     if len(rows) == 0:
         raise NvgError(f"config generate_corpus.shards: {s.shards} shards for {s.sequences} sequences leaves shard {shard} empty")
     firsts = first_tokens(cmf.vocab, cmf.arch["vocab_size"], s)[rows]
     device = pick_device(s.device)
-    decoder = Decoder(load_model(cmf, device), min(s.batch, len(rows)), s.length, device, s.precision,
+    decoder = Decoder(load_model(cmf, device), min(s.batch, len(rows)), len(opening) + s.length, device, s.precision,
                       s.temperature, s.top_k, s.top_p)
     torch.manual_seed(s.seed * 100_003 + shard)  # the draws use the global RNG (inside a CUDA graph on the GPU)
     t0 = time.perf_counter()
-    tokens = sample_sequences(decoder, firsts, s, f"generate_corpus shard {shard}")
+    tokens = sample_sequences(decoder, firsts, opening, s, f"generate_corpus shard {shard}")
     digest = content_hash(tokens)
     write_corpus(out, tokens, {"teacher_hash": model_hash(cmf), "shard": shard, "settings": json.dumps(asdict(s)),
                                "tokens_blake2b": digest})

@@ -9,6 +9,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from nvg import generate_corpus, tokenize_windows
 from nvg.artifacts import read_windows
@@ -186,3 +187,32 @@ def test_tokenize_windows_cuts_generated_sequences_into_windows(corpus, tiny_cmf
     with h5py.File(edited, "r+") as f:
         f["tokens"][0, 5] = (f["tokens"][0, 5] + 1) % 300
     fails_cleanly(tokenize_windows.cli, args(edited), capsys, str(edited), "does not match its tokens", [tmp_path / "x.h5"])
+
+
+def test_a_chat_opening_conditions_the_text_and_is_not_written(tiny_cmf, tmp_path, capsys):
+    """With `chat`, the teacher reads its template up to a user's words (Magpie) before the first token:
+    the greedy prefix is then the argmax after opening + first token, and only the `length` tokens from
+    the first token on are written. A teacher without a template is refused, naming the setting."""
+    from nvg.cmf import write_cmf
+
+    s = load(CorpusSettings, sequences=4, length=24, batch=4, greedy_prefix=3, chat=True)
+    out = tmp_path / "chat.h5"
+    generate_corpus.main(tiny_cmf, 0, out, s)
+    tokens = h5py.File(out, "r")["tokens"][...]
+    cmf = read_cmf(tiny_cmf)
+    opening = generate_corpus.chat_opening(cmf, tiny_cmf)
+    tok = Tokenizer.from_str(cmf.vocab.decode())
+    assert tok.decode(opening, skip_special_tokens=False) == "<|im_start|>user\n" and tok.token_to_id("<|im_start|>") in opening
+    assert tokens.shape == (4, 24) and np.array_equal(tokens[:, 0], generate_corpus.first_tokens(cmf.vocab, 300, s))
+    with torch.no_grad():
+        context = torch.cat([torch.tensor(opening).expand(4, -1), torch.from_numpy(tokens[:, :4]).long()], 1)
+        after_opening = load_model(tiny_cmf)(context)[:, len(opening):]
+    assert np.array_equal(after_opening[:, :3].argmax(-1).numpy(), tokens[:, 1:4])
+    plain = tmp_path / "plain.h5"
+    generate_corpus.main(tiny_cmf, 0, plain, load(CorpusSettings, sequences=4, length=24, batch=4, greedy_prefix=3))
+    assert not np.array_equal(h5py.File(plain, "r")["tokens"][...], tokens)  # the opening changed what the teacher wrote
+    header = {**cmf.header, "tokenizer_config": {k: v for k, v in cmf.header["tokenizer_config"].items() if k != "chat_template"}}
+    write_cmf(tmp_path / "base.cmf", header, list(cmf.tensors.values()), cmf.vocab)
+    fails_cleanly(generate_corpus.cli, ["--teacher", tmp_path / "base.cmf", "--shard", 0, "--out", tmp_path / "x.h5",
+                                        "--settings", json.dumps({"chat": True})],
+                  capsys, "generate_corpus.chat", "has no chat_template", [tmp_path / "x.h5"])
