@@ -146,7 +146,9 @@ chain)
   ;;
 collect)
   # Wait up to $2 seconds for the chain to end, then send back every finished variant's archive, the chain's
-  # log and the running variant's logs and metrics so far.
+  # log and the running variant's logs and metrics so far. A machine without the chain (a fresh one: the held one went
+  # back between calls, session 29) says so at once instead of waiting out the call's device time.
+  [[ -e /root/chain/chain.log ]] || { echo "no chain on this machine (a fresh machine? start it again)" >&2; exit 1; }
   for (( t = 0; t < ${2:-540}; t += 5 )); do [[ -e /root/chain/chain.done ]] && break; sleep 5; done
   cp /root/chain/*.tgz /root/chain/chain.log "$OUT/" 2>/dev/null || true
   for dir in /root/ablation/*/; do
