@@ -3,12 +3,12 @@
 Each sequence starts from one first token, takes `greedy_prefix` argmax tokens, then samples at
 `temperature` (with optional `top_k` / `top_p`) up to `length` tokens. First tokens: `vocab` walks a
 seeded permutation of the whole vocabulary (special tokens left out), so every id starts a sequence
-before any repeats (LLM-QAT); `random` draws them uniformly. With `chat`, the decoder first reads the teacher's chat template up to a
-user message's text (Magpie): the teacher then writes a user's request from that first token and, after its own
-end of turn, the answer, the text its instruct tuning made it fluent in; that opening is context, not written
-(`length` tokens from the first token on, as without it). Sequences are split into `shards`
-independent jobs (as the teacher pass is), each seeded by (seed, shard). The output is token ids,
-never text: no decode and re-tokenize round trip. `tokenize_windows` cuts them into windows when
+before any repeats (LLM-QAT); `random` draws them uniformly. With `chat`, the decoder first reads the
+teacher's chat template up to a user message's text (Magpie): the teacher then writes a user's request from
+that first token and, after its own end of turn, the answer, the text its instruct tuning made it fluent in;
+the opening is context, not written (`length` tokens from the first token on, as without it). Sequences are
+split into `shards` independent jobs (as the teacher pass is), each seeded by (seed, shard). The output is
+token ids, never text: no decode and re-tokenize round trip. `tokenize_windows` cuts them into windows when
 `data.sources` names `generated`. Decoding is batched with a static KV cache (`nvg/decoding.py`),
 compiled and replayed as a CUDA graph on the GPU, eager on the CPU.
 
@@ -127,8 +127,8 @@ def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None
         raise NvgError(f"config generate_corpus.shards: {s.shards} shards for {s.sequences} sequences leaves shard {shard} empty")
     firsts = first_tokens(cmf.vocab, cmf.arch["vocab_size"], s)[rows]
     device = pick_device(s.device)
-    decoder = Decoder(load_model(cmf, device), min(s.batch, len(rows)), len(opening) + s.length, device, s.precision,
-                      s.temperature, s.top_k, s.top_p)
+    decoder = Decoder(load_model(cmf, device), min(s.batch, len(rows)), len(opening) + s.length, device,
+                      s.precision, s.temperature, s.top_k, s.top_p)
     torch.manual_seed(s.seed * 100_003 + shard)  # the draws use the global RNG (inside a CUDA graph on the GPU)
     t0 = time.perf_counter()
     tokens = sample_sequences(decoder, firsts, opening, s, f"generate_corpus shard {shard}")

@@ -202,7 +202,8 @@ def test_a_chat_opening_conditions_the_text_and_is_not_written(tiny_cmf, tmp_pat
     cmf = read_cmf(tiny_cmf)
     opening = generate_corpus.chat_opening(cmf, tiny_cmf)
     tok = Tokenizer.from_str(cmf.vocab.decode())
-    assert tok.decode(opening, skip_special_tokens=False) == "<|im_start|>user\n" and tok.token_to_id("<|im_start|>") in opening
+    assert tok.decode(opening, skip_special_tokens=False) == "<|im_start|>user\n"
+    assert tok.token_to_id("<|im_start|>") in opening  # the special token's own id, not its characters
     assert tokens.shape == (4, 24) and np.array_equal(tokens[:, 0], generate_corpus.first_tokens(cmf.vocab, 300, s))
     with torch.no_grad():
         context = torch.cat([torch.tensor(opening).expand(4, -1), torch.from_numpy(tokens[:, :4]).long()], 1)
@@ -211,7 +212,8 @@ def test_a_chat_opening_conditions_the_text_and_is_not_written(tiny_cmf, tmp_pat
     plain = tmp_path / "plain.h5"
     generate_corpus.main(tiny_cmf, 0, plain, load(CorpusSettings, sequences=4, length=24, batch=4, greedy_prefix=3))
     assert not np.array_equal(h5py.File(plain, "r")["tokens"][...], tokens)  # the opening changed what the teacher wrote
-    header = {**cmf.header, "tokenizer_config": {k: v for k, v in cmf.header["tokenizer_config"].items() if k != "chat_template"}}
+    no_template = {k: v for k, v in cmf.header["tokenizer_config"].items() if k != "chat_template"}
+    header = {**cmf.header, "tokenizer_config": no_template}
     write_cmf(tmp_path / "base.cmf", header, list(cmf.tensors.values()), cmf.vocab)
     fails_cleanly(generate_corpus.cli, ["--teacher", tmp_path / "base.cmf", "--shard", 0, "--out", tmp_path / "x.h5",
                                         "--settings", json.dumps({"chat": True})],
