@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 import torch
+import triton
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -43,6 +44,7 @@ from nvg.layout import parse_body_linear
 from nvg.distributed import Group
 from nvg.model import ModelConfig, build_model, compile_blocks, flops_per_token, group_scaled, load_model
 from nvg.settings import load
+from nvg import fused_sign_step
 from nvg.sign_training import SignSettings, SignTrainer
 
 WINDOW = 2048
@@ -255,11 +257,16 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     teacher = compile_blocks(build_model(cfg, dense.get).cuda()).requires_grad_(False)
     topk = Targets(tokens, batch, "bench", InMemoryTopk(ids.int().cpu().numpy(), logp.half().cpu().numpy()))
     live = Targets(tokens, batch, "bench")
-    # signs: the sign settings over the schema's defaults (None: scales only); grad_clip 2 is the GPU recipe's
+    # signs: the sign settings over the schema's defaults (None: scales only); grad_clip 2 is the GPU recipe's.
+    # The last sign row runs the factored sign step as tensor ops (what it was before nvg/fused_sign_step.py), beside
+    # the fused Triton passes that CUDA runs: the kernels' gain, measured in one run.
     modes = {"topk (scales)": (topk, None, None, False), "live (scales)": (live, teacher, None, False),
              "live + signs": (live, teacher, {}, False), "live + signs, grad_clip 2": (live, teacher, {"grad_clip": 2.0}, False),
+             "live + signs, grad_clip 2, tensor-op sign step": (live, teacher, {"grad_clip": 2.0}, False),
              "live, q2tp embedding": (live, teacher, None, True)}
     for name, (targets, t, signs, q2tp) in modes.items():
+        # fused_sign_step.triton None: latent_step keeps to its tensor ops
+        fused_sign_step.triton = None if name.endswith("tensor-op sign step") else triton
         student = blr_student(cfg, dense, 1.0)
         student = compile_blocks((q2tp_embedding(student) if q2tp else student).cuda())
         sfpt = blr_flops_per_token(student) + attention_flops(cfg)

@@ -69,6 +69,7 @@ from typing import ClassVar
 
 import torch
 
+from nvg import fused_sign_step
 from nvg.artifacts import check_grams, read_grams
 from nvg.cmf import CmfFile
 from nvg.errors import NvgError
@@ -169,7 +170,10 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
     binds, and how the step grows before flips do.
 
     No test branches on the host: a host sync per bucket would stall the backward pass. (Compiled with
-    inductor on the H200 it made the step no faster: docs/benchmarks.md.)"""
+    inductor on the H200 it made the step no faster: docs/benchmarks.md.) On CUDA the factored optimizer's
+    step is `nvg.fused_sign_step`'s three Triton passes, the same arithmetic; this is its reference."""
+    if optimizer == "factored" and g.is_cuda and fused_sign_step.triton is not None:
+        return fused_sign_step.factored_step(g, p, st, scalars, b1, b2, eps, hyst, clamp, update_clip, grad_clip)
     eta, slope, bc1, bc2, bc2_before = scalars[0], scalars[1], scalars[2], scalars[3], scalars[4]
     bad = ~torch.isfinite(g)
     finite = ~bad.flatten(1).any(1)  # per matrix
@@ -196,8 +200,8 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
         st["v"].mul_(1 - (1 - b2) * w).addcmul_(g, g, value=1 - b2)
         u = (st["m"] / bc1) / ((st["v"] / bc2).sqrt() + eps)
     elif optimizer == "factored":
-        m = st["m"].float().lerp_(g, (1 - b1) * w)
-        st["m"].copy_(m)
+        st["m"].copy_(st["m"].float().lerp_(g, (1 - b1) * w))
+        m = st["m"].float()  # the step reads the moment as it is kept, in bf16, as the fused CUDA step does
         row2, col2 = g2.mean(-1), g2.mean(-2)
         if scale2 is not None:
             row2, col2 = row2 * scale2, col2 * scale2

@@ -224,3 +224,44 @@ def finished_run(tiny_hf, tiny_corpus, tmp_path_factory):
     config = tiny_config(tiny_hf, tiny_corpus)
     snakemake(workdir, config)
     return workdir, config
+
+
+def compare_fused_sign_step(device: str, steps: int = 12) -> dict:
+    """`nvg.fused_sign_step.factored_step` against `latent_step`'s tensor ops, step by step from one state, on
+    buckets whose shapes are not multiples of its tiles: moments settling, then η on with both clips binding
+    (an outlier batch), latents pushed into the clamp, and one matrix whose gradient is not finite. Returns the
+    largest differences (the moment's relative to its largest value, the second moment's to each value) and the counts, for the tests' asserts
+    (here and on the device)."""
+    from nvg import fused_sign_step
+    from nvg.sign_training import latent_step
+
+    gen = torch.Generator().manual_seed(7)
+    b1, b2, eps, hyst, clamp = 0.9, 0.999, 1e-8, 0.1, 1.5
+    worst = {"z": 0.0, "m": 0.0, "v": 0.0, "bits": 0, "rms": 0.0}
+    counts_seen = torch.zeros(5, dtype=torch.int64)
+    for shape in ((3, 70, 150), (2, 33, 260)):
+        bits = torch.sign(torch.randn(shape, generator=gen))
+        st = {"z": bits * torch.rand(shape, generator=gen) * 1.4, "m": torch.zeros(shape, dtype=torch.bfloat16),
+              "v_row": torch.zeros(shape[:-1]), "v_col": torch.zeros(shape[0], shape[-1])}
+        ref = {"bits": bits.clone(), **{k: v.clone() for k, v in st.items()}}
+        fast = {k: v.to(device, copy=True) for k, v in ref.items()}
+        for t in range(1, steps + 1):
+            g = torch.randn(shape, generator=gen) * (8.0 if t == steps - 2 else 1.0)
+            if t == steps - 1:
+                g[1, 3, 5] = float("nan")
+            scalars = torch.tensor([0.0 if t < 4 else 0.05, 2.0, 1 - b1**t, 1 - b2**t, 1 - b2**(t - 1)])
+            r_counts, r_rms = latent_step("factored", g, ref["bits"], ref, scalars, b1, b2, eps, hyst, clamp, 1.0, 2.0)
+            f_counts, f_rms = fused_sign_step.factored_step(g.to(device), fast["bits"], fast, scalars.to(device), b1, b2,
+                                                            eps, hyst, clamp, 1.0, 2.0)
+            # the counts of a sign at the band's edge may differ by rounding: compared in the asserts with room
+            counts_seen += r_counts
+            worst["counts"] = max(worst.get("counts", 0), int((r_counts - f_counts.cpu()).abs().max()))
+            worst["rms"] = max(worst["rms"], abs(float(r_rms) - float(f_rms)) / max(float(r_rms), 1e-12))
+            worst["z"] = max(worst["z"], float((ref["z"] - fast["z"].cpu()).abs().max()))
+            worst["m"] = max(worst["m"], float((ref["m"].float() - fast["m"].cpu().float()).abs().max()
+                                               / ref["m"].float().abs().max().clamp_min(1e-12)))
+            worst["v"] = max(worst["v"], float(((ref["v_row"] - fast["v_row"].cpu()).abs() / ref["v_row"].clamp_min(1e-12)).max()),
+                             float(((ref["v_col"] - fast["v_col"].cpu()).abs() / ref["v_col"].clamp_min(1e-12)).max()))
+            worst["bits"] = max(worst["bits"], int((ref["bits"] != fast["bits"].cpu()).sum()))
+    worst["counts_total"] = counts_seen.tolist()
+    return worst
