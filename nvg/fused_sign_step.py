@@ -33,48 +33,55 @@ BLOCK_R, BLOCK_C = 32, 128  # a tile: 4,096 signs a program, hundreds of program
 
 def factored_step(g, p, st: dict, scalars, b1: float, b2: float, eps: float, hyst: float, clamp: float,
                   update_clip: float, grad_clip: float):
-    """`latent_step(“factored”, …)` for CUDA tensors: same arguments (g, p, z, m: [n, R, C]) and results."""
-    n, R, C = g.shape
-    g, z, m, bits = g.contiguous(), st["z"], st["m"], p
-    assert z.is_contiguous() and m.is_contiguous() and bits.is_contiguous()
+    """`latent_step("factored", …)` for CUDA tensors: same arguments and results. g, p, z and m are n matrices
+    [n, …, R, C]; a matrix with more than two dimensions (P paths: [P, R, C]) is P factored blocks [R, C], each
+    with its own row and column means, under one clip and one RMS, as in the tensor-op form."""
+    n, (R, C) = g.shape[0], g.shape[-2:]
+    blocks = g[0].numel() // (R * C)  # factored blocks a matrix
+    nb = n * blocks
+    g, z, m, bits = (t.reshape(nb, R, C) for t in (g.contiguous(), st["z"], st["m"], p))
+    v_row, v_col = st["v_row"].view(nb, R), st["v_col"].view(nb, C)
+    assert all(t.data_ptr() == src.data_ptr() for t, src in ((z, st["z"]), (m, st["m"]), (bits, p))), "in place: views"
     nrb, ncb = triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C)
-    grid = (n, nrb, ncb)
+    grid = (nb, nrb, ncb)
     eta, slope, bc1, bc2, bc2_before = scalars[0], scalars[1], scalars[2], scalars[3], scalars[4]
     dev = g.device
 
-    row_part = torch.empty(n, ncb, R, device=dev)
-    col_part = torch.empty(n, nrb, C, device=dev)
-    bad_part = torch.empty(n, nrb, ncb, device=dev, dtype=torch.int32)
+    def per_block(x):  # a per-matrix [n] tensor for each of its factored blocks [n · blocks]
+        return x.repeat_interleave(blocks)
+
+    row_part = torch.empty(nb, ncb, R, device=dev)
+    col_part = torch.empty(nb, nrb, C, device=dev)
+    bad_part = torch.empty(nb, nrb, ncb, device=dev, dtype=torch.int32)
     _square_sums[grid](g, row_part, col_part, bad_part, R, C, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
-    bad = bad_part.sum((1, 2))
-    finite = bad == 0
-    w = finite.float()
+    bad = bad_part.view(n, -1).sum(1)
+    w = (bad == 0).float()
+    wb = per_block(w)[:, None]
     slope2 = slope * slope
-    row2 = torch.where(finite[:, None], row_part.sum(1) * slope2 / C, 0.0)  # g²'s row means, straight-through slope in
-    col2 = torch.where(finite[:, None], col_part.sum(1) * slope2 / R, 0.0)
+    row2 = torch.where(wb > 0, row_part.sum(1) * slope2 / C, 0.0)  # g²'s row means, straight-through slope in
+    col2 = torch.where(wb > 0, col_part.sum(1) * slope2 / R, 0.0)
     clipped = torch.zeros((), dtype=torch.int64, device=dev)
     scale = torch.ones(n, device=dev)
     if grad_clip > 0:
-        seen = st["v_row"].mean(1) / bc2_before.clamp_min(1e-30)
-        ms = row2.mean(1)
+        seen = st["v_row"].flatten(1).mean(1) / bc2_before.clamp_min(1e-30)
+        ms = row2.view(n, -1).mean(1)
         scale = torch.where(seen > 0, (grad_clip**2 * seen / ms.clamp_min(1e-30)).sqrt().clamp_max(1.0), 1.0)
         clipped = (scale < 1).sum()
-        row2, col2 = row2 * scale.pow(2)[:, None], col2 * scale.pow(2)[:, None]
-    st["v_row"].mul_(1 - (1 - b2) * w[:, None]).add_(row2, alpha=1 - b2)
-    st["v_col"].mul_(1 - (1 - b2) * w[:, None]).add_(col2, alpha=1 - b2)
-    v_mean = st["v_row"].mean(-1).clamp_min(1e-30)
-    lerp_w = (1 - b1) * w  # per matrix: 0 where the gradient is not finite, which leaves the moment as it is
+        row2, col2 = row2 * per_block(scale.pow(2))[:, None], col2 * per_block(scale.pow(2))[:, None]
+    v_row.mul_(1 - (1 - b2) * wb).add_(row2, alpha=1 - b2)
+    v_col.mul_(1 - (1 - b2) * wb).add_(col2, alpha=1 - b2)
+    v_mean = v_row.mean(-1).clamp_min(1e-30)
+    lerp_w = (1 - b1) * per_block(w)  # 0 where the gradient is not finite, which leaves the moment as it is
 
-    usq_part = torch.empty(n, nrb, ncb, device=dev)
-    _moment_rms[grid](g, m, st["v_row"], st["v_col"], v_mean, slope, scale, lerp_w, bc1, bc2, usq_part, R, C, eps,
+    usq_part = torch.empty(nb, nrb, ncb, device=dev)
+    _moment_rms[grid](g, m, v_row, v_col, v_mean, slope, per_block(scale), lerp_w, bc1, bc2, usq_part, R, C, eps,
                       BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
-    rms = (usq_part.sum((1, 2)) / (R * C)).sqrt()
+    rms = (usq_part.view(n, -1).sum(1) / (blocks * R * C)).sqrt()
     divisor = (rms / update_clip).clamp_min(1.0) if update_clip > 0 else torch.ones_like(rms)
-    neg_eta = -eta * w
 
-    counts_part = torch.empty(n, nrb, ncb, 3, device=dev, dtype=torch.int32)
-    _latent_update[grid](m, st["v_row"], st["v_col"], v_mean, divisor, neg_eta, bc1, bc2, z, bits, counts_part, R, C, eps,
-                         hyst, clamp, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
+    counts_part = torch.empty(nb, nrb, ncb, 3, device=dev, dtype=torch.int32)
+    _latent_update[grid](m, v_row, v_col, v_mean, per_block(divisor), per_block(-eta * w), bc1, bc2, z, bits,
+                         counts_part, R, C, eps, hyst, clamp, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
     flips, saturated, clamped = counts_part.sum((0, 1, 2), dtype=torch.int64)
     return torch.stack([flips, saturated, clamped, bad.sum(dtype=torch.int64), clipped]), (rms * w).max().float()
 

@@ -239,16 +239,16 @@ def compare_fused_sign_step(device: str, steps: int = 12) -> dict:
     b1, b2, eps, hyst, clamp = 0.9, 0.999, 1e-8, 0.1, 1.5
     worst = {"z": 0.0, "m": 0.0, "v": 0.0, "bits": 0, "rms": 0.0}
     counts_seen = torch.zeros(5, dtype=torch.int64)
-    for shape in ((3, 70, 150), (2, 33, 260)):
+    for shape in ((3, 70, 150), (2, 2, 33, 260)):  # the second: matrices of P = 2 paths
         bits = torch.sign(torch.randn(shape, generator=gen))
         st = {"z": bits * torch.rand(shape, generator=gen) * 1.4, "m": torch.zeros(shape, dtype=torch.bfloat16),
-              "v_row": torch.zeros(shape[:-1]), "v_col": torch.zeros(shape[0], shape[-1])}
+              "v_row": torch.zeros(shape[:-1]), "v_col": torch.zeros(*shape[:-2], shape[-1])}
         ref = {"bits": bits.clone(), **{k: v.clone() for k, v in st.items()}}
         fast = {k: v.to(device, copy=True) for k, v in ref.items()}
         for t in range(1, steps + 1):
             g = torch.randn(shape, generator=gen) * (8.0 if t == steps - 2 else 1.0)
             if t == steps - 1:
-                g[1, 3, 5] = float("nan")
+                g[(1,) + (0,) * (g.dim() - 3) + (3, 5)] = float("nan")
             scalars = torch.tensor([0.0 if t < 4 else 0.05, 2.0, 1 - b1**t, 1 - b2**t, 1 - b2**(t - 1)])
             r_counts, r_rms = latent_step("factored", g, ref["bits"], ref, scalars, b1, b2, eps, hyst, clamp, 1.0, 2.0)
             f_counts, f_rms = fused_sign_step.factored_step(g.to(device), fast["bits"], fast, scalars.to(device), b1, b2,
