@@ -226,9 +226,9 @@ def finished_run(tiny_hf, tiny_corpus, tmp_path_factory):
     return workdir, config
 
 
-def compare_fused_sign_step(device: str, steps: int = 12) -> dict:
+def compare_fused_sign_step(device: str, update_clip: float = 1.0, grad_clip: float = 2.0, steps: int = 12) -> dict:
     """`nvg.fused_sign_step.factored_step` against `latent_step`'s tensor ops, step by step from one state, on
-    buckets whose shapes are not multiples of its tiles: moments settling, then η on with both clips binding
+    buckets whose shapes are not multiples of its tiles: moments settling, then η on with the clips (0: off) binding
     (an outlier batch), latents pushed into the clamp, and one matrix whose gradient is not finite. Returns the
     largest differences (the moment's relative to its largest value, the second moment's to each value) and the counts, for the tests' asserts
     (here and on the device)."""
@@ -250,9 +250,10 @@ def compare_fused_sign_step(device: str, steps: int = 12) -> dict:
             if t == steps - 1:
                 g[(1,) + (0,) * (g.dim() - 3) + (3, 5)] = float("nan")
             scalars = torch.tensor([0.0 if t < 4 else 0.05, 2.0, 1 - b1**t, 1 - b2**t, 1 - b2**(t - 1)])
-            r_counts, r_rms = latent_step("factored", g, ref["bits"], ref, scalars, b1, b2, eps, hyst, clamp, 1.0, 2.0)
+            r_counts, r_rms = latent_step("factored", g, ref["bits"], ref, scalars, b1, b2, eps, hyst, clamp,
+                                         update_clip, grad_clip)
             f_counts, f_rms = fused_sign_step.factored_step(g.to(device), fast["bits"], fast, scalars.to(device), b1, b2,
-                                                            eps, hyst, clamp, 1.0, 2.0)
+                                                            eps, hyst, clamp, update_clip, grad_clip)
             # the counts of a sign at the band's edge may differ by rounding: compared in the asserts with room
             counts_seen += r_counts
             worst["counts"] = max(worst.get("counts", 0), int((r_counts - f_counts.cpu()).abs().max()))
