@@ -426,8 +426,8 @@ def test_bucketed_updates_equal_one_update_per_matrix(stage_inputs, monkeypatch,
 def test_the_fused_cuda_sign_step_equals_the_tensor_ops_in_tritons_interpreter():
     """The factored optimizer's fused step (`nvg.fused_sign_step`, three Triton passes, what CUDA runs) against
     `latent_step`'s tensor ops, run here on the CPU by Triton's interpreter (a fresh process: the interpreter
-    is chosen when the kernels are defined). Both clips bind, then both are off; one matrix's gradient is not finite; on the
-    device tests/test_gpu_fast_paths.py compares the compiled kernels the same way."""
+    is chosen when the kernels are defined). Both clips bind, then both are off; one matrix's gradient is not
+    finite. On the device tests/test_gpu_fast_paths.py compares the compiled kernels the same way."""
     code = ("import json; from tests.conftest import compare_fused_sign_step; "
             "print(json.dumps([compare_fused_sign_step('cpu', *clips) for clips in ((1.0, 2.0), (0.0, 0.0))]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
