@@ -47,8 +47,7 @@ def factored_step(g, p, st: dict, scalars, b1: float, b2: float, eps: float, hys
     eta, slope, bc1, bc2, bc2_before = scalars[0], scalars[1], scalars[2], scalars[3], scalars[4]
     dev = g.device
 
-    def per_block(x):  # a per-matrix [n] tensor for each of its factored blocks [n · blocks]; not repeat_interleave,
-        # which waits for the device to size its output (a host sync per bucket in the backward pass)
+    def per_block(x):  # a per-matrix [n] tensor for each of its factored blocks [n · blocks]
         return x[:, None].expand(n, blocks).reshape(nb)
 
     row_part = torch.empty(nb, ncb, R, device=dev)
