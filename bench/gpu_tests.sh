@@ -10,6 +10,9 @@
 # the log as it ends, so a run stopped at the limit still says which test failed (session 25's `-q` said only "F").
 set -uo pipefail
 export PYTHONPATH=/root/site:/root/smk:$PWD TORCHINDUCTOR_COMPILE_THREADS=1
+# nvg.settings needs jsonschema, which comes with the Snakemake wheels (the staging's third call): without them every
+# test fails at collection (session 31 lost a call so)
+python -c "import jsonschema" 2> /dev/null || { echo "no jsonschema: install .device/snakemake/*.whl into /root/smk first" >&2; exit 2; }
 timeout -k 10 "${1:-240}" python -m pytest -v tests/test_gpu_fast_paths.py ${2:+-k "$2"} > "$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?"
 grep -E "passed|failed|skipped|FAILED|ERROR" "$OUT/gpu_tests.log" | tail -25
