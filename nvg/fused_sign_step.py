@@ -69,7 +69,8 @@ def factored_step(g, p, st: dict, scalars, b1: float, b2: float, eps: float, hys
         ms = row2.view(n, -1).mean(1)
         scale = torch.where(seen > 0, (grad_clip**2 * seen / ms.clamp_min(1e-30)).sqrt().clamp_max(1.0), 1.0)
         clipped = (scale < 1).sum()
-        row2, col2 = row2 * per_block(scale.pow(2))[:, None], col2 * per_block(scale.pow(2))[:, None]
+        scale2 = per_block(scale.pow(2))[:, None]
+        row2, col2 = row2 * scale2, col2 * scale2
     v_row.mul_(1 - (1 - b2) * wb).add_(row2, alpha=1 - b2)
     v_col.mul_(1 - (1 - b2) * wb).add_(col2, alpha=1 - b2)
     v_mean = v_row.mean(-1).clamp_min(1e-30)

@@ -228,10 +228,10 @@ def finished_run(tiny_hf, tiny_corpus, tmp_path_factory):
 
 def compare_fused_sign_step(device: str, update_clip: float = 1.0, grad_clip: float = 2.0, steps: int = 12) -> dict:
     """`nvg.fused_sign_step.factored_step` against `latent_step`'s tensor ops, step by step from one state, on
-    buckets whose shapes are not multiples of its tiles: moments settling, then η on with the clips (0: off) binding
-    (an outlier batch), latents pushed into the clamp, and one matrix whose gradient is not finite. Returns the
-    largest differences (the moment's relative to its largest value, the second moment's to each value) and the counts, for the tests' asserts
-    (here and on the device)."""
+    buckets whose shapes are not multiples of its tiles: moments settling, then η on with the clips (0: off)
+    binding (an outlier batch), latents pushed into the clamp, and one matrix whose gradient is not finite.
+    Returns the largest differences (the moment's relative to its largest value, the second moment's to each
+    value) and the counts, for the tests' asserts (here and on the device)."""
     from nvg import fused_sign_step
     from nvg.sign_training import latent_step
 
@@ -252,8 +252,8 @@ def compare_fused_sign_step(device: str, update_clip: float = 1.0, grad_clip: fl
             scalars = torch.tensor([0.0 if t < 4 else 0.05, 2.0, 1 - b1**t, 1 - b2**t, 1 - b2**(t - 1)])
             r_counts, r_rms = latent_step("factored", g, ref["bits"], ref, scalars, b1, b2, eps, hyst, clamp,
                                          update_clip, grad_clip)
-            f_counts, f_rms = fused_sign_step.factored_step(g.to(device), fast["bits"], fast, scalars.to(device), b1, b2,
-                                                            eps, hyst, clamp, update_clip, grad_clip)
+            f_counts, f_rms = fused_sign_step.factored_step(g.to(device), fast["bits"], fast, scalars.to(device),
+                                                            b1, b2, eps, hyst, clamp, update_clip, grad_clip)
             # the counts of a sign at the band's edge may differ by rounding: compared in the asserts with room
             counts_seen += r_counts
             worst["counts"] = max(worst.get("counts", 0), int((r_counts - f_counts.cpu()).abs().max()))
@@ -261,8 +261,8 @@ def compare_fused_sign_step(device: str, update_clip: float = 1.0, grad_clip: fl
             worst["z"] = max(worst["z"], float((ref["z"] - fast["z"].cpu()).abs().max()))
             worst["m"] = max(worst["m"], float((ref["m"].float() - fast["m"].cpu().float()).abs().max()
                                                / ref["m"].float().abs().max().clamp_min(1e-12)))
-            worst["v"] = max(worst["v"], float(((ref["v_row"] - fast["v_row"].cpu()).abs() / ref["v_row"].clamp_min(1e-12)).max()),
-                             float(((ref["v_col"] - fast["v_col"].cpu()).abs() / ref["v_col"].clamp_min(1e-12)).max()))
+            for v in ("v_row", "v_col"):
+                worst["v"] = max(worst["v"], float(((ref[v] - fast[v].cpu()).abs() / ref[v].clamp_min(1e-12)).max()))
             worst["bits"] = max(worst["bits"], int((ref["bits"] != fast["bits"].cpu()).sum()))
     worst["counts_total"] = counts_seen.tolist()
     return worst

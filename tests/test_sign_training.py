@@ -435,7 +435,8 @@ def test_the_fused_cuda_sign_step_equals_the_tensor_ops_in_tritons_interpreter()
     assert proc.returncode == 0, proc.stderr[-3000:]
     for worst, clips_on in zip(json.loads(proc.stdout.splitlines()[-1]), (True, False)):
         flips, saturated, clamped, nonfinite, clipped = worst["counts_total"]
-        assert flips > 100 and saturated > 100 and clamped > 100 and nonfinite == 2 and (clipped > 0) == clips_on, worst
+        assert flips > 100 and saturated > 100 and clamped > 100 and nonfinite == 2, worst
+        assert (clipped > 0) == clips_on, worst
         # the moment is kept in bf16: where the two round a value apart it is one bf16 step (at most 2^-7 of it), and
         # the latents inherit that through the step; no bit or count differs
         assert worst["bits"] == 0 and worst["counts"] == 0, worst
