@@ -56,19 +56,11 @@ def token_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out.float() - y).pow(2).sum(-1) / y.pow(2).sum(-1).clamp_min(1e-30)).mean()
 
 
-def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, steps: int, batch: int, lr: float,
-                      autocast, generator: torch.Generator, signs=None) -> tuple[dict, torch.Tensor]:
-    """Train `block` (in place) for `steps` Adam steps of `batch` rows drawn from `x` → `y` [n, t, d] (float32).
-    `signs()`, when given, makes the block's `SignTrainer` (its sign matrices then train too).
-    Returns the `token_error` over every row before and after (with signs: their statistics, the matrix-steps
-    whose gradient grad_clip scaled down and the step guards' lines), and the block's output on `x` (the next
-    block's input, so that it is computed once); when
-    training made the error worse (it should not), the block's starting values, signs included, are put back."""
-    params = block_trainable(block)
-    start = {n: p.detach().clone() for n, p in params.items()}
-    before = float(token_error(run_block(block, x, cos, sin, batch, autocast), y))
-    trainer = signs() if signs is not None else None
-    start_bits = trainer.snapshot() if trainer is not None else None
+def fit_block(block, params: dict, x, y, cos, sin, *, steps: int, batch: int, lr: float, autocast,
+              generator: torch.Generator, trainer=None) -> dict:
+    """`steps` Adam steps on `params` of `batch` rows drawn from `x` → `y`, the sign latents of `trainer` (when
+    given) moving inside each backward pass. Returns the first and last batch loss, the step guards' lines and
+    the matrix-steps whose sign gradient grad_clip scaled down."""
     opt = torch.optim.Adam(param_groups(params, relative=True), lr=lr, fused=x.is_cuda)
     first = last = None
     guard_lines = []  # what the sign step guards did, step by step
@@ -90,25 +82,65 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
         opt.step()
         opt.zero_grad(set_to_none=True)
         first, last = first if first is not None else loss.detach(), loss.detach()
-    sign_stats = trainer.stats() if trainer is not None else None
-    for p in params.values():
-        p.requires_grad_(False)
+    return {"first_loss": None if first is None else float(first), "last_loss": None if last is None else float(last),
+            "guards": guard_lines, "grad_clipped": grad_clipped}
+
+
+def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, steps: int, batch: int, lr: float,
+                      autocast, generator: torch.Generator, signs=None) -> tuple[dict, torch.Tensor]:
+    """Train `block` (in place) for `steps` Adam steps of `batch` rows drawn from `x` → `y` [n, t, d] (float32).
+    `signs()`, when given, makes the block's `SignTrainer` (its sign matrices then train too).
+    Returns the `token_error` over every row before and after (with signs: their statistics, the matrix-steps
+    whose gradient grad_clip scaled down and the step guards' lines), and the block's output on `x` (the next
+    block's input, so that it is computed once).
+    When training made the error worse, the block's starting values, signs included, are put back; if its signs
+    trained, the scales then train again alone from there (`signs_dropped`): on the H200 with a q2tp embedding
+    (session 32) sign training ran away in 10 of 30 blocks, and each of them lost its scales' gain with its signs."""
+    run = dict(steps=steps, batch=batch, lr=lr, autocast=autocast, generator=generator)
+    params = block_trainable(block)
+    start = {n: p.detach().clone() for n, p in params.items()}
+
+    def train(trainer=None) -> tuple[dict, float, torch.Tensor]:
+        """The fit's record (with the trainer's statistics), the error over every row after it, the output."""
+        for p in params.values():
+            p.requires_grad_(True)
+        fit = fit_block(block, params, x, y, cos, sin, trainer=trainer, **run)
+        for p in params.values():
+            p.requires_grad_(False)
+        if trainer is not None:
+            fit["signs"] = trainer.stats()
+            trainer.release()
+        out = run_block(block, x, cos, sin, batch, autocast)
+        return fit, float(token_error(out, y)), out
+
+    @torch.no_grad()
+    def put_back() -> None:
+        for n, p in params.items():
+            p.copy_(start[n])
+
+    before = float(token_error(run_block(block, x, cos, sin, batch, autocast), y))
+    trainer = signs() if signs is not None else None
+    start_bits = trainer.snapshot() if trainer is not None else None
     if trainer is not None:
-        trainer.release()
-    out = run_block(block, x, cos, sin, batch, autocast)
-    after = float(token_error(out, y))
+        sign_fit, after, out = train(trainer)
+    signs_dropped = trainer is not None and after > before
+    if signs_dropped:
+        put_back()
+        trainer.restore(start_bits)
+    if trainer is None or signs_dropped:
+        fit, after, out = train()
+    else:
+        fit = sign_fit
     kept = after <= before
     if not kept:
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(start[n])
-            if trainer is not None:
-                trainer.restore(start_bits)
+        put_back()
         out = run_block(block, x, cos, sin, batch, autocast)
     stats = {"before": before, "after": after if kept else before, "kept": kept,
-             "first_loss": None if first is None else float(first), "last_loss": None if last is None else float(last)}
-    if sign_stats is not None:
-        stats["signs"] = {"flipped_fraction": sign_stats["flipped_fraction"] if kept else 0.0,
+             "first_loss": fit["first_loss"], "last_loss": fit["last_loss"]}
+    if trainer is not None:
+        sign_stats = sign_fit["signs"]
+        stats["signs"] = {"flipped_fraction": 0.0 if signs_dropped else sign_stats["flipped_fraction"],
                           "churn": sign_stats["churn"], "eta": trainer.eta0 * trainer.counters["eta_mul"],
-                          "spikes": sign_stats["spikes"], "grad_clipped": grad_clipped, "guards": guard_lines}
+                          "spikes": sign_stats["spikes"], "grad_clipped": sign_fit["grad_clipped"],
+                          "guards": sign_fit["guards"], "dropped": signs_dropped}
     return stats, out

@@ -164,6 +164,8 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
                   + (f" (the spike guard fired {stats['signs']['spikes']} times)" if stats.get("signs", {}).get("spikes") else "")
                   + (f" (sign gradients clipped in {stats['signs']['grad_clipped']} matrix-steps)"
                      if stats.get("signs", {}).get("grad_clipped") else "")
+                  + (" (worse with its signs trained: its starting signs kept, its scales trained alone)"
+                     if stats.get("signs", {}).get("dropped") else "")
                   + ("" if stats["kept"] else " (worse: starting values kept)"), file=sys.stderr)
             for line in stats.get("signs", {}).get("guards", []):
                 print(f"    {line}", file=sys.stderr)
