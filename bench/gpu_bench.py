@@ -222,14 +222,16 @@ def q2tp_embedding(model):
     return model
 
 
-def profiled(fn, steps: int = 2) -> str:
-    """torch.profiler's table of the 20 ops with the most GPU time over `steps` calls (after the timed ones),
-    with each op's host time beside it."""
+def profiled(fn, steps: int = 2) -> dict[str, str]:
+    """torch.profiler's tables over `steps` calls (after the timed ones): the 20 ops with the most GPU time, each
+    op's host time beside it, and the 20 with the most host time of their own (session 32: the steps are
+    host-bound, the GPU busy 41-66 % of a step)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+    ops = prof.key_averages()
+    return {"gpu": ops.table(sort_by="cuda_time_total", row_limit=20), "host": ops.table(sort_by="self_cpu_time_total", row_limit=20)}
 
 
 def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tflops: float, profile: bool = False) -> dict:
