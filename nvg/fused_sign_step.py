@@ -16,8 +16,9 @@ read three times and written twice, about 30 bytes in all:
 The arithmetic is the tensor-op form's, in the same order, so the two agree to float rounding (tests in Triton's
 CPU interpreter and on the device); the tile partial sums are added by torch in a fixed order, so a step is
 deterministic. Everything per matrix (η, the slope, the clip scales) stays on the device: no host
-synchronisation inside the backward pass. Measured on the H200 (session 31, docs/benchmarks.md): 1.0 GB less
-at the training step's peak on SmolLM2; no faster yet, in a run too noisy to tell a few per cent apart.
+synchronisation inside the backward pass. Measured on the H200 (sessions 31 and 32, docs/benchmarks.md): 1.0 GB
+less at the training step's peak on SmolLM2 and 6 % less GPU time a step, but slower by the clock (6-29 %) where the
+step is host-bound: the ~60 rank-sized tensor ops a bucket around the three launches are host calls too.
 """
 
 from __future__ import annotations
