@@ -171,7 +171,7 @@ def latent_step(optimizer: str, g, p, st: dict, scalars, b1: float, b2: float, e
 
     No test branches on the host: a host sync per bucket would stall the backward pass. (Compiled with
     inductor on the H200 it made the step no faster: docs/benchmarks.md.) On CUDA the factored optimizer's
-    step is `nvg.fused_sign_step`'s three Triton passes, the same arithmetic; this is its reference."""
+    step is `nvg.fused_sign_step`'s five Triton launches, the same arithmetic; this is its reference."""
     if optimizer == "factored" and g.is_cuda and fused_sign_step.triton is not None:
         return fused_sign_step.factored_step(g, p, st, scalars, b1, b2, eps, hyst, clamp, update_clip, grad_clip)
     eta, slope, bc1, bc2, bc2_before = scalars[0], scalars[1], scalars[2], scalars[3], scalars[4]

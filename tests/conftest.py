@@ -226,15 +226,20 @@ def finished_run(tiny_hf, tiny_corpus, tmp_path_factory):
     return workdir, config
 
 
-def compare_fused_sign_step(device: str, update_clip: float = 1.0, grad_clip: float = 2.0, steps: int = 12) -> dict:
+def compare_fused_sign_step(device: str, update_clip: float = 1.0, grad_clip: float = 2.0, steps: int = 12,
+                            block_line: int | None = None) -> dict:
     """`nvg.fused_sign_step.factored_step` against `latent_step`'s tensor ops, step by step from one state, on
     buckets whose shapes are not multiples of its tiles: moments settling, then η on with the clips (0: off)
     binding (an outlier batch), latents pushed into the clamp, and one matrix whose gradient is not finite.
+    `block_line`: the matrix programs' lines of that many lanes (a few: their loops run many times here, as they
+    do at real sizes).
     Returns the largest differences (the moment's relative to its largest value, the second moment's to each
     value) and the counts, for the tests' asserts (here and on the device)."""
     from nvg import fused_sign_step
     from nvg.sign_training import latent_step
 
+    if block_line is not None:
+        fused_sign_step.BLOCK_LINE = block_line
     gen = torch.Generator().manual_seed(7)
     b1, b2, eps, hyst, clamp = 0.9, 0.999, 1e-8, 0.1, 1.5
     worst = {"z": 0.0, "m": 0.0, "v": 0.0, "bits": 0, "rms": 0.0}

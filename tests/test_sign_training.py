@@ -423,13 +423,39 @@ def test_bucketed_updates_equal_one_update_per_matrix(stage_inputs, monkeypatch,
         assert bytes(bucketed.tensors[name].data) == bytes(t.data), name
 
 
+def test_the_fused_sign_steps_kernels_compile_for_the_h200_here():
+    """The interpreter runs Python, not Triton's compiler: every kernel of `nvg.fused_sign_step` is also compiled
+    to an sm_90 (H200) binary here, with no GPU, so that a kernel the device would refuse fails in CI. Arguments
+    typed by their names: pointers are upper case (float32, but the bf16 moment M and the int64 COUNTS), the
+    sizes R, C and the lower-case ones int32 but the thresholds and rates (float32), the widths constexpr."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nvg import fused_sign_step
+
+    floats = {"b1", "b2", "eps", "hyst", "clamp", "grad_clip", "update_clip"}
+    widths = {"BLOCK": fused_sign_step.BLOCK_LINE, "BLOCK_R": fused_sign_step.BLOCK_R, "BLOCK_C": fused_sign_step.BLOCK_C}
+    kernels = [fused_sign_step._square_sums, fused_sign_step._moments, fused_sign_step._moment_rms,
+               fused_sign_step._update_clip, fused_sign_step._latent_update]
+    for kernel in kernels:
+        names = kernel.arg_names
+        signature = {a: "constexpr" if a in widths else "fp32" if a in floats else "i32" if a in ("R", "C") or a.islower()
+                     else {"M": "*bf16", "COUNTS": "*i64"}.get(a, "*fp32") for a in names}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs={a: widths[a] for a in names if a in widths}),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], kernel.__name__
+
+
 def test_the_fused_cuda_sign_step_equals_the_tensor_ops_in_tritons_interpreter():
-    """The factored optimizer's fused step (`nvg.fused_sign_step`, three Triton passes, what CUDA runs) against
+    """The factored optimizer's fused step (`nvg.fused_sign_step`, five Triton launches, what CUDA runs) against
     `latent_step`'s tensor ops, run here on the CPU by Triton's interpreter (a fresh process: the interpreter
     is chosen when the kernels are defined). Both clips bind, then both are off; one matrix's gradient is not
     finite. On the device tests/test_gpu_fast_paths.py compares the compiled kernels the same way."""
+    # the clipped run with the matrix programs' lines 4 lanes wide: their loops over rows, columns and tiles run
+    # many times, as they do at real sizes (the default line, 1024, covers these shapes in one)
     code = ("import json; from tests.conftest import compare_fused_sign_step; "
-            "print(json.dumps([compare_fused_sign_step('cpu', *clips) for clips in ((1.0, 2.0), (0.0, 0.0))]))")
+            "print(json.dumps([compare_fused_sign_step('cpu', 1.0, 2.0, block_line=4), compare_fused_sign_step('cpu', 0.0, 0.0)]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
