@@ -134,7 +134,7 @@ if triton is not None:
         for s in range(0, tiles, BLOCK):
             idx = s + lanes
             bad += tl.sum(tl.load(BAD_PART + mat * tiles + idx, mask=idx < tiles, other=0.0))
-        w = tl.where(bad == 0.0, 1.0, 0.0)
+        w = tl.where(bad == 0.0, 1.0, 0.0)  # only its zero matters to the step; the count is exact below 2^24 a matrix
         slope = tl.load(SCALARS + 1)
         slope2 = slope * slope
         # the clip compares this step's mean square (g²'s row means, 0 for a non-finite matrix) with the second
@@ -202,7 +202,8 @@ if triton is not None:
         mat = blk // blocks
         lerp_w = tl.load(PER_MATRIX + 1 * n + mat)
         g = tl.load(G + offs, mask=inside, other=0.0)
-        g = tl.where(lerp_w != 0.0, g * tl.load(SCALARS + 1), 0.0) * tl.load(PER_MATRIX + mat)  # a non-finite g leaves m as it is
+        # a non-finite matrix's g leaves its moment as it is; the clip's scale is PER_MATRIX's first row
+        g = tl.where(lerp_w != 0.0, g * tl.load(SCALARS + 1), 0.0) * tl.load(PER_MATRIX + mat)
         m = tl.load(M + offs, mask=inside, other=0.0).to(tl.float32)
         m = _round_to_bf16(m + lerp_w * (g - m))
         tl.store(M + offs, m.to(tl.bfloat16), mask=inside)  # exact: m is a bf16 value already
