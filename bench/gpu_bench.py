@@ -26,6 +26,7 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -70,15 +71,34 @@ def timed(fn, iters: int, windows: int = 1) -> float:
     return float(np.median(per_call))
 
 
-def measure(fn, tokens: int, flops_per_tok: float, iters: int, windows: int = 1) -> dict:
+def measure(fn, tokens: int, flops_per_tok: float, iters: int, windows: int = 1, held: int = 0) -> dict:
+    """Tokens per second (the median window), peak memory (less `held` bytes that earlier rows keep) and TFLOP/s."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
         s = timed(fn, iters, windows)
     except torch.OutOfMemoryError:
         return {"error": "out of memory"}
-    return {"tok_s": round(tokens / s), "peak_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+    return {"tok_s": round(tokens / s), "peak_GB": round((torch.cuda.max_memory_allocated() - held) / 1e9, 2),
             "TFLOP_s": round(flops_per_tok * tokens / s / 1e12, 1)}
+
+
+def interleaved(steps: dict, setups: dict, iters: int, windows: int) -> dict[str, float]:
+    """Seconds per call of each of `steps`, the median over `windows` rounds in which each runs `iters` calls in
+    turn (after its `setups` entry): the machine's drift falls on all of them alike. Session 32 saw one mode move
+    31 % between two runs and the cached top-k step run 25 % below its rate of earlier sessions, while the
+    GPU-bound dense step did not move: on host-bound steps one timed row after another compares machines' moods."""
+    per_call: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(windows):
+        for name, step in steps.items():
+            setups[name]()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+            per_call[name].append((time.perf_counter() - t) / iters)
+    return {name: float(np.median(v)) for name, v in per_call.items()}
 
 
 def attention_flops(cfg: ModelConfig) -> float:
@@ -266,7 +286,10 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
              "live + signs": (live, teacher, {}, False), "live + signs, grad_clip 2": (live, teacher, {"grad_clip": 2.0}, False),
              "live + signs, grad_clip 2, tensor-op sign step": (live, teacher, {"grad_clip": 2.0}, False),
              "live, q2tp embedding": (live, teacher, None, True)}
+    paired = {}  # the two grad_clip 2 sign rows, timed again window by window in turn: the fused step's gain
+    held = 0  # bytes the paired rows keep while the rows after them run: left out of those rows' peaks
     for name, (targets, t, signs, q2tp) in modes.items():
+        before = torch.cuda.memory_allocated()
         # fused_sign_step.triton None: latent_step keeps to its tensor ops
         fused_sign_step.triton = None if name.endswith("tensor-op sign step") else triton
         student = blr_student(cfg, dense, 1.0)
@@ -276,16 +299,29 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         if signs is not None:
             d.modes.append(SignTrainer(d.model.blr_linears(), load(SignSettings, enabled=True, **signs), 1000, Group()))
         opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
-        row = measure(lambda: d.step(list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), batch * WINDOW,
-                      3 * sfpt, iters, windows)  # the live teacher's forward is not counted in the FLOPs
+        step = functools.partial(d.step, list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0)
+        row = measure(step, batch * WINDOW, 3 * sfpt, iters, windows, held)  # the live teacher's forward: not in the FLOPs
+        if "grad_clip 2" in name:
+            paired[name] = step, fused_sign_step.triton
         if "tok_s" in row:
             row["MFU"] = round(row["TFLOP_s"] / matmul_tflops, 3)
             row["vs_dense"] = round(row["tok_s"] / rows["transformers (dense)"]["tok_s"], 2) if "tok_s" in rows["transformers (dense)"] else None
         if profile:  # where a mode's time goes: the ops with the most GPU time over two steps, and the host's
-            row["profile"] = profiled(lambda: d.step(list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0))
+            row["profile"] = profiled(step)
         rows[name] = row
         print(json.dumps(rows), flush=True)
-        d = opt = student = None
+        d = opt = student = step = None
+        if name in paired:
+            held += torch.cuda.memory_allocated() - before
+    if all("tok_s" in rows[name] for name in paired):
+        seconds = interleaved({name: step for name, (step, _) in paired.items()},
+                              {name: functools.partial(setattr, fused_sign_step, "triton", kernels)
+                               for name, (_, kernels) in paired.items()}, iters, windows)
+        for name, s in seconds.items():
+            rows[name]["tok_s_interleaved"] = round(batch * WINDOW / s)
+        print(json.dumps(rows), flush=True)
+    fused_sign_step.triton = triton
+    paired = None
     return rows
 
 
