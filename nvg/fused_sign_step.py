@@ -7,7 +7,7 @@ H200 the sign step lost 11–13 % of its rate to them since session 14 (docs/ben
 read three times and written twice, about 30 bytes in all, and the rank-sized work between the passes runs in
 two small kernels of one program a matrix: the step is host-bound on the H200s lent since session 31 (the GPU
 busy 41–66 % of it, docs/benchmarks.md), and session 31's form, three passes with ~60 rank-sized tensor ops
-between them, took 6 % less GPU time than the tensor ops but more of the host's. Five launches, a bucket:
+between them, took 6 % less GPU time than the tensor ops and was slower by the clock. Five launches, a bucket:
 
   A `_square_sums`   reads g: per tile, its rows' and columns' sums of g² and its count of non-finite values.
   M `_moments`       a program a matrix: its non-finite count, the gradient clip's scale (from g²'s row means
