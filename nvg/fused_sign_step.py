@@ -122,6 +122,22 @@ if triton is not None:
         return total
 
     @triton.jit
+    def _decay_means(V, PART, line, parts, length, count, w, slope2, scale2, keep, b2, BLOCK: tl.constexpr):
+        """One block's row (or column) means of the second moment, V[line · length …], brought up to date in place:
+        g²'s means from the sums of its `parts` tile partials over `count` values each, the straight-through slope²
+        and the clip's scale² in (0 for a non-finite matrix, whose means then stay). Returns their new sum."""
+        lanes = tl.arange(0, BLOCK)
+        total = 0.0
+        for s in range(0, length, BLOCK):
+            idx = s + lanes
+            inside = idx < length
+            mean2 = tl.where(w > 0, _line_sum(PART, line * parts * length, length, parts, idx, inside) * slope2 / count, 0.0)
+            v = tl.load(V + line * length + idx, mask=inside, other=0.0) * keep + (1 - b2) * (mean2 * scale2)
+            tl.store(V + line * length + idx, v, mask=inside)
+            total += tl.sum(tl.where(inside, v, 0.0))
+        return total
+
+    @triton.jit
     def _moments(ROW_PART, COL_PART, BAD_PART, V_ROW, V_COL, V_MEAN, PER_MATRIX, COUNTS, SCALARS, n, R, C, nrb, ncb,
                  blocks, b1, b2, grad_clip, BLOCK: tl.constexpr):
         """One matrix (its `blocks` factored blocks): whether its gradient is finite (w), the gradient clip's scale,
@@ -157,21 +173,9 @@ if triton is not None:
         keep = 1 - (1 - b2) * w
         for b in range(blocks):
             blk = mat * blocks + b
-            total = 0.0
-            for s in range(0, R, BLOCK):
-                rows = s + lanes
-                inside = rows < R
-                row2 = tl.where(w > 0, _line_sum(ROW_PART, blk * ncb * R, R, ncb, rows, inside) * slope2 / C, 0.0)
-                v = tl.load(V_ROW + blk * R + rows, mask=inside, other=0.0) * keep + (1 - b2) * (row2 * scale2)
-                tl.store(V_ROW + blk * R + rows, v, mask=inside)
-                total += tl.sum(tl.where(inside, v, 0.0))
+            total = _decay_means(V_ROW, ROW_PART, blk, ncb, R, C, w, slope2, scale2, keep, b2, BLOCK)
             tl.store(V_MEAN + blk, tl.maximum(total / R, 1e-30))
-            for s in range(0, C, BLOCK):
-                cols = s + lanes
-                inside = cols < C
-                col2 = tl.where(w > 0, _line_sum(COL_PART, blk * nrb * C, C, nrb, cols, inside) * slope2 / R, 0.0)
-                v = tl.load(V_COL + blk * C + cols, mask=inside, other=0.0) * keep + (1 - b2) * (col2 * scale2)
-                tl.store(V_COL + blk * C + cols, v, mask=inside)
+            _decay_means(V_COL, COL_PART, blk, nrb, C, R, w, slope2, scale2, keep, b2, BLOCK)
         tl.store(PER_MATRIX + 0 * n + mat, scale)
         tl.store(PER_MATRIX + 1 * n + mat, (1 - b1) * w)  # LERP_W: 0 leaves a non-finite matrix's moment as it is
         tl.store(PER_MATRIX + 2 * n + mat, -tl.load(SCALARS) * w)  # η is SCALARS[0]
