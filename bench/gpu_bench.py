@@ -321,7 +321,6 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
             rows[name]["tok_s_interleaved"] = round(batch * WINDOW / s)
         print(json.dumps(rows), flush=True)
     fused_sign_step.triton = triton
-    paired = None
     return rows
 
 

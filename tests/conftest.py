@@ -236,10 +236,19 @@ def compare_fused_sign_step(device: str, update_clip: float = 1.0, grad_clip: fl
     Returns the largest differences (the moment's relative to its largest value, the second moment's to each
     value) and the counts, for the tests' asserts (here and on the device)."""
     from nvg import fused_sign_step
+
+    default_line = fused_sign_step.BLOCK_LINE
+    fused_sign_step.BLOCK_LINE = block_line or default_line
+    try:
+        return _compare_fused_sign_step(device, update_clip, grad_clip, steps)
+    finally:
+        fused_sign_step.BLOCK_LINE = default_line
+
+
+def _compare_fused_sign_step(device: str, update_clip: float, grad_clip: float, steps: int) -> dict:
+    from nvg import fused_sign_step
     from nvg.sign_training import latent_step
 
-    if block_line is not None:
-        fused_sign_step.BLOCK_LINE = block_line
     gen = torch.Generator().manual_seed(7)
     b1, b2, eps, hyst, clamp = 0.9, 0.999, 1e-8, 0.1, 1.5
     worst = {"z": 0.0, "m": 0.0, "v": 0.0, "bits": 0, "rms": 0.0}

@@ -96,7 +96,7 @@ def test_with_signs_a_block_flips_some_and_a_block_made_worse_gets_its_signs_bac
         assert (flipped == 0) == dropped
         assert all(not p.requires_grad and p.dtype == before[n].dtype and set(p.unique().tolist()) <= {-1.0, 1.0}
                    and not p._post_accumulate_grad_hooks for n, p in after.items())
-    # the scales alone from the same start and batches: what the dropped block's scales became
+    # the scales alone from the same start, as a block without sign training: lower, as the dropped block's ended
     _, student, x_s, y, cos, sin, ctx = block_zero(stage_inputs)
     alone, _ = reconstruct_block(student.model.layers[0], x_s, y, cos, sin, steps=40, batch=4, lr=0.02, autocast=ctx,
                                  generator=torch.Generator().manual_seed(0))
