@@ -126,7 +126,7 @@ def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None
     if len(rows) == 0:
         raise NvgError(f"config generate_corpus.shards: {s.shards} shards for {s.sequences} sequences leaves shard {shard} empty")
     firsts = first_tokens(cmf.vocab, cmf.arch["vocab_size"], s)[rows]
-    device = pick_device(s.device)
+    device = pick_device(s.device, shard)
     decoder = Decoder(load_model(cmf, device), min(s.batch, len(rows)), len(opening) + s.length, device,
                       s.precision, s.temperature, s.top_k, s.top_p)
     torch.manual_seed(s.seed * 100_003 + shard)  # the draws use the global RNG (inside a CUDA graph on the GPU)

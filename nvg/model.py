@@ -521,12 +521,26 @@ def compile_blocks(model: Llama) -> Llama:
     return model
 
 
-def pick_device(requested: str = "auto") -> torch.device:
+def pick_device(requested: str = "auto", shard: int | None = None) -> torch.device:
+    """The config's device. For shard k of a sharded stage, `auto` is GPU k mod the GPUs this process sees, made
+    the current device (CUDA graphs and Triton launch on the current one): Snakemake's local scheduler runs shards
+    side by side but hands out no GPU ids, so on one machine with several GPUs they would all share the first; a
+    cluster job sees only its own GPU, so there it is cuda:0. Elsewhere `auto` is the current CUDA device (torchrun
+    sets it per process) or the CPU."""
     if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        if shard is None:
+            return torch.device("cuda")
+        device = torch.device(f"cuda:{shard % torch.cuda.device_count()}")
+        torch.cuda.set_device(device)
+        return device
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise NvgError(f"device {requested!r}: this torch ({torch.__version__}) sees no CUDA GPU; use cpu or auto")
-    return torch.device(requested)
+    device = torch.device(requested)
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise NvgError(f"device {requested!r}: this process sees {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
 
 
 BF16_CPU_MIN_SPEEDUP = 1.5  # bf16 must beat float32 by this much: measured 4.4× and 0.62×, so no timing noise flips it

@@ -49,7 +49,7 @@ def main(teacher: Path, windows: Path, shard: int, out: Path, settings: TopkSett
         raise NvgError(f"config teacher_topk.shards: {settings.shards} shards for the {len(tokens)} windows of {windows} "
                        f"leaves shard {len(tokens)} empty")
     rows = shard_rows(len(tokens), shard, settings.shards)
-    device = pick_device(settings.device)
+    device = pick_device(settings.device, shard)
     model = load_model(cmf, device)
     if settings.precision != "fp32" and device.type == "cuda":
         model = model.to(torch.bfloat16 if settings.precision == "bf16" else torch.float16)

@@ -114,3 +114,24 @@ def test_bf16_on_the_cpu_only_where_its_matmuls_are_native_and_clearly_faster(mo
         m.cpu_has_bf16_matmuls.cache_clear()  # later tests probe this machine for real
     seconds = timed((torch.float32, torch.bfloat16), (8, 8, 8), reps=2)
     assert set(seconds) == {torch.float32, torch.bfloat16} and all(0 < t < 1 for t in seconds.values())
+
+
+def test_auto_puts_each_shard_on_its_own_gpu_and_other_stages_on_the_current_one(monkeypatch):
+    """`pick_device("auto", shard)` on a machine that shows three GPUs: shard k on GPU k mod 3, made current (Triton
+    and CUDA graphs launch there); without a shard, the current device (torchrun's choice); an index past the GPUs
+    this process sees is one clear error. The CPU machine stands in for CUDA through torch.cuda's own queries."""
+    from nvg.errors import NvgError
+    from nvg.model import pick_device
+
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: made_current.append(torch.device(d).index))
+    assert [pick_device("auto", k) for k in range(5)] == [torch.device(f"cuda:{k % 3}") for k in range(5)]
+    assert made_current == [0, 1, 2, 0, 1]
+    assert pick_device("auto") == torch.device("cuda") and pick_device("cuda:2", 0) == torch.device("cuda:2")
+    assert len(made_current) == 5
+    with pytest.raises(NvgError, match=r"device 'cuda:3': this process sees 3 CUDA GPU"):
+        pick_device("cuda:3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device("auto", 1) == torch.device("cpu")
