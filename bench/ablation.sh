@@ -5,6 +5,7 @@
 #                                              windows → top-k → Grams → encoded student), here, on GPU 0
 #   bash bench/ablation.sh corpus-out [NAME]   the generated corpus (here, or variant NAME's) to $OUT/corpus/,
 #                                              for the next session
+#   NAME is bench/ablation/NAME.yaml over base.yaml; A+B overlays B on A (e.g. live_uv_bsigns_wide+embedding_q2tp)
 #   bash bench/ablation.sh start NAME[:GPU] ...  the variants one after another in a detached process that runs on
 #                                              between device calls; `collect SECONDS` waits and sends back
 #   bash bench/ablation.sh run NAME[:GPU] ...  each variant (bench/ablation/NAME.yaml over base.yaml) in its
@@ -55,10 +56,17 @@ if compgen -G ".corpus/generated.*.h5.gz.*" > /dev/null && [[ ! -d results/corpu
 for p in sys.argv[1:]:
     with h5py.File(p, 'r') as f: print(p, 'carried:', f.attrs['tokens_blake2b'], f.attrs['settings'])" results/corpus/*.h5
 fi
+# A variant's overlay files: NAME is bench/ablation/NAME.yaml, and A+B is A's then B's (so that each variant of a
+# chain can carry its own extra, e.g. live_uv_bsigns_wide+embedding_q2tp), then ABLATION_EXTRA's.
+overlays() {
+  local IFS=+ part
+  for part in $1; do printf 'bench/ablation/%s.yaml ' "$part"; done
+  printf '%s' "${ABLATION_EXTRA:-}"
+}
 # Variant $1's Snakemake in the current folder (its copy), on GPU $2, to snakemake.log; `run` and `chain` both use it.
 variant_snakemake() {
   CUDA_VISIBLE_DEVICES=$2 snakemake --cores "${ABLATION_CORES:-$3}" ${RUN_TARGETS:-results/model.cmf results/eval.json} \
-    $TRIGGERS --quiet rules --configfile $BASE "bench/ablation/$1.yaml" ${ABLATION_EXTRA:-} > snakemake.log 2>&1
+    $TRIGGERS --quiet rules --configfile $BASE $(overlays "$1") > snakemake.log 2>&1
 }
 # The finished student's extra loss by the teacher's entropy (bench/excess_by_entropy.py, seconds on the GPU), where
 # the variant got that far.
@@ -92,11 +100,11 @@ run)
       # A Snakemake killed at the last call's limit leaves its lock, which fails this call at once (session 23
       # lost a call so); no other Snakemake runs in this copy. (A job it was killed in is left marked
       # incomplete: Snakemake then asks for --rerun-incomplete, or --cleanup-metadata once its log says it wrote.)
-      snakemake --unlock --configfile $BASE "bench/ablation/$name.yaml" ${ABLATION_EXTRA:-} > /dev/null 2>&1
+      snakemake --unlock --configfile $BASE $(overlays "$name") > /dev/null 2>&1
       # Snakemake leads its own process group, so that at the limit SIGINT reaches its jobs too, as a terminal's
       # Ctrl-C does: train_student ends its step, saves its state and stops (the next call resumes there with
       # nothing lost), and Snakemake, which waits for its jobs, then exits; 25 s later the group is killed.
-      export -f variant_snakemake; export BASE TRIGGERS
+      export -f variant_snakemake overlays; export BASE TRIGGERS
       setsid bash -c 'variant_snakemake "$@"' _ "$name" "$gpu" 8 &
       smk=$!
       ( sleep "${ABLATION_LIMIT_S:-540}"; kill -INT -- -$smk; sleep 25; kill -KILL -- -$smk ) > /dev/null 2>&1 &
@@ -136,7 +144,7 @@ chain)
       else cp -a "$PWD" "$dir"; fi
     fi
     ( set +e; cd "$dir"; start=$(date +%s)
-      snakemake --unlock --configfile $BASE "bench/ablation/$name.yaml" ${ABLATION_EXTRA:-} > /dev/null 2>&1
+      snakemake --unlock --configfile $BASE $(overlays "$name") > /dev/null 2>&1
       variant_snakemake "$name" "$gpu" 16
       echo "$name: exit $? after $(( $(date +%s) - start )) s" | tee -a snakemake.log
       variant_excess "$gpu"
