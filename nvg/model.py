@@ -522,24 +522,22 @@ def compile_blocks(model: Llama) -> Llama:
 
 
 def pick_device(requested: str = "auto", shard: int | None = None) -> torch.device:
-    """The config's device. For shard k of a sharded stage, `auto` is GPU k mod the GPUs this process sees, made
-    the current device (CUDA graphs and Triton launch on the current one): Snakemake's local scheduler runs shards
-    side by side but hands out no GPU ids, so on one machine with several GPUs they would all share the first; a
-    cluster job sees only its own GPU, so there it is cuda:0. Elsewhere `auto` is the current CUDA device (torchrun
-    sets it per process) or the CPU."""
+    """The config's device. For shard k of a sharded stage, `auto` is GPU k mod the GPUs this process sees:
+    Snakemake's local scheduler runs shards side by side but hands out no GPU ids, so on one machine with several
+    GPUs they would all share the first; a cluster job sees only its own GPU, so there it is cuda:0. Elsewhere
+    `auto` is the current CUDA device (torchrun sets it per process) or the CPU. A numbered GPU is made the current
+    device, because CUDA graphs and Triton kernels launch on the current one."""
     if requested == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu")
-        if shard is None:
-            return torch.device("cuda")
-        device = torch.device(f"cuda:{shard % torch.cuda.device_count()}")
-        torch.cuda.set_device(device)
-        return device
-    if requested.startswith("cuda") and not torch.cuda.is_available():
+        requested = "cuda" if shard is None else f"cuda:{shard % torch.cuda.device_count()}"
+    elif requested.startswith("cuda") and not torch.cuda.is_available():
         raise NvgError(f"device {requested!r}: this torch ({torch.__version__}) sees no CUDA GPU; use cpu or auto")
     device = torch.device(requested)
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise NvgError(f"device {requested!r}: this process sees {torch.cuda.device_count()} CUDA GPU(s)")
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise NvgError(f"device {requested!r}: this process sees {torch.cuda.device_count()} CUDA GPU(s)")
+        torch.cuda.set_device(device)
     return device
 
 

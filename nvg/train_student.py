@@ -169,7 +169,8 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     the training modes (sign training's `init: margin` reads the teacher's `grams`), and the run state:
     resumed from `state_root` when a state for these inputs and settings exists."""
     torch.manual_seed(s.seed)
-    group = distributed.start(pick_device(s.device))
+    requested = pick_device(s.device)
+    group = distributed.start(requested)  # after pick_device: under torchrun, each process's own GPU is the current one
     say = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if group.main else (lambda *a, **k: None)  # noqa: E731
     if group.world != s.gpus:
         raise NvgError(f"config train.gpus: {s.gpus}, but {group.world} processes were started (torchrun --nproc_per_node)")
@@ -182,7 +183,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     targets = Targets.from_files(windows, topk, s_cmf.arch["vocab_size"])
     if targets.topk is not None:
         targets.topk.check_teacher(encoded_from(s_cmf), f"{student} was encoded from teacher")
-    device = group.device(pick_device(s.device))
+    device = group.device(requested)
     t_cmf = read_verified(teacher) if live else None
     model = load_model(s_cmf, device)
     if s.group_code_lr > 0:

@@ -117,9 +117,10 @@ def test_bf16_on_the_cpu_only_where_its_matmuls_are_native_and_clearly_faster(mo
 
 
 def test_auto_puts_each_shard_on_its_own_gpu_and_other_stages_on_the_current_one(monkeypatch):
-    """`pick_device("auto", shard)` on a machine that shows three GPUs: shard k on GPU k mod 3, made current (Triton
-    and CUDA graphs launch there); without a shard, the current device (torchrun's choice); an index past the GPUs
-    this process sees is one clear error. The CPU machine stands in for CUDA through torch.cuda's own queries."""
+    """`pick_device("auto", shard)` on a machine that shows three GPUs: shard k on GPU k mod 3; without a shard, the
+    current device (torchrun's choice); a numbered GPU, chosen or configured, made current (Triton and CUDA graphs
+    launch there); an index past the GPUs this process sees is one clear error. The CPU machine stands in for CUDA
+    through torch.cuda's own queries."""
     from nvg.errors import NvgError
     from nvg.model import pick_device
 
@@ -129,8 +130,8 @@ def test_auto_puts_each_shard_on_its_own_gpu_and_other_stages_on_the_current_one
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: made_current.append(torch.device(d).index))
     assert [pick_device("auto", k) for k in range(5)] == [torch.device(f"cuda:{k % 3}") for k in range(5)]
     assert made_current == [0, 1, 2, 0, 1]
-    assert pick_device("auto") == torch.device("cuda") and pick_device("cuda:2", 0) == torch.device("cuda:2")
-    assert len(made_current) == 5
+    assert pick_device("auto") == torch.device("cuda") and made_current == [0, 1, 2, 0, 1]
+    assert pick_device("cuda:2", 0) == torch.device("cuda:2") and made_current == [0, 1, 2, 0, 1, 2]
     with pytest.raises(NvgError, match=r"device 'cuda:3': this process sees 3 CUDA GPU"):
         pick_device("cuda:3")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
