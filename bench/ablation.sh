@@ -6,8 +6,8 @@
 #   bash bench/ablation.sh corpus-out [NAME]   the generated corpus (here, or variant NAME's) to $OUT/corpus/,
 #                                              for the next session
 #   NAME is bench/ablation/NAME.yaml over base.yaml; A+B overlays B on A (e.g. live_uv_bsigns_wide+embedding_q2tp)
-#   bash bench/ablation.sh start NAME[:GPU] ...  the variants one after another in a detached process that runs on
-#                                              between device calls; `collect SECONDS` waits and sends back
+#   bash bench/ablation.sh start NAME[:GPU] ...  each GPU's variants one after another in a detached process that runs
+#                                              on between device calls; `collect SECONDS` waits and sends back
 #   bash bench/ablation.sh run NAME[:GPU] ...  each variant (bench/ablation/NAME.yaml over base.yaml) in its
 #                                              own copy of this checkout with those results, one per GPU, in
 #                                              parallel; then its eval.json, metrics, logs and stage times to $OUT
@@ -126,11 +126,17 @@ start)
   # between two calls). Each later variant starts from a copy of the first one's folder (its prefix; Snakemake's
   # params trigger retrains what its overlay changes; the first one's training, eval.json and split are left out, so
   # that a later variant that stops early sends back none of them as its own). `collect` brings back what is done.
+  # Variants on different GPUs (NAME:0 NAME:1 on nvidia-h200-x2) are separate chains side by side, one per GPU.
   shift
   mkdir -p /root/chain  # not /root/out: the device's $OUT is emptied at each call's start (session 27 lost chain.log so)
   cp bench/ablation.sh /root/chain/ablation.sh  # bash reads a script as it runs it: the next call's checkout may replace this one
-  setsid nohup bash /root/chain/ablation.sh chain "$@" > /root/chain/chain.log 2>&1 < /dev/null &
-  echo "started: $*"
+  gpus=$(for spec in "$@"; do gpu=${spec#*:}; [[ $gpu == "$spec" ]] && gpu=0; echo "$gpu"; done | sort -u)
+  echo $gpus > /root/chain/gpus
+  for gpu in $gpus; do
+    specs=(); for spec in "$@"; do g=${spec#*:}; [[ $g == "$spec" ]] && g=0; [[ $g == "$gpu" ]] && specs+=("$spec"); done
+    CHAIN_GPU=$gpu setsid nohup bash /root/chain/ablation.sh chain "${specs[@]}" > "/root/chain/chain.$gpu.log" 2>&1 < /dev/null &
+    echo "started on GPU $gpu: ${specs[*]}"
+  done
   ;;
 chain)
   shift
@@ -150,20 +156,21 @@ chain)
       variant_excess "$gpu"
       tar czf "/root/chain/$name.tgz" $VARIANT_FILES 2>/dev/null || true )
   done
-  touch /root/chain/chain.done
+  touch "/root/chain/chain.${CHAIN_GPU:-0}.done"
   ;;
 collect)
-  # Wait up to $2 seconds for the chain to end, then send back every finished variant's archive, the chain's
-  # log and the running variant's logs and metrics so far. A machine without the chain (a fresh one: the held one went
+  # Wait up to $2 seconds for every chain to end, then send back every finished variant's archive, the chains' logs
+  # and the running variants' logs and metrics so far. A machine without the chains (a fresh one: the held one went
   # back between calls, session 29) says so at once instead of waiting out the call's device time.
-  [[ -e /root/chain/chain.log ]] || { echo "no chain on this machine (a fresh machine? start it again)" >&2; exit 1; }
-  for (( t = 0; t < ${2:-540}; t += 5 )); do [[ -e /root/chain/chain.done ]] && break; sleep 5; done
-  cp /root/chain/*.tgz /root/chain/chain.log "$OUT/" 2>/dev/null || true
+  [[ -e /root/chain/gpus ]] || { echo "no chain on this machine (a fresh machine? start it again)" >&2; exit 1; }
+  all_done() { local gpu; for gpu in $(cat /root/chain/gpus); do [[ -e /root/chain/chain.$gpu.done ]] || return 1; done; }
+  for (( t = 0; t < ${2:-540}; t += 5 )); do all_done && break; sleep 5; done
+  cp /root/chain/*.tgz /root/chain/chain.*.log "$OUT/" 2>/dev/null || true
   for dir in /root/ablation/*/; do
     [[ -e /root/chain/$(basename "$dir").tgz ]] || ( cd "$dir" && tar czf "$OUT/$(basename "$dir")-running.tgz" \
       snakemake.log logs benchmarks results/train/metrics.jsonl 2>/dev/null ) || true
   done
-  cat /root/chain/chain.log; [[ -e /root/chain/chain.done ]] && echo "chain done" || echo "chain running"
+  tail -n 5 /root/chain/chain.*.log; all_done && echo "chain done" || echo "chain running"
   ;;
 corpus-out)
   mkdir -p "$OUT/corpus"
