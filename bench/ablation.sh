@@ -113,7 +113,7 @@ run)
       pkill -P $watchdog 2> /dev/null; kill $watchdog 2> /dev/null
       echo "$name: exit $status after $(( $(date +%s) - start )) s" >> "$dir/snakemake.log"
       variant_excess "$gpu"
-      tar czf "$OUT/$name.tgz" $VARIANT_FILES 2>/dev/null || true ) &
+      tar czf "$OUT/${name//+/__}.tgz" $VARIANT_FILES 2>/dev/null || true ) &
   done
   wait
   for spec in "$@"; do tail -1 "/root/ablation/${spec%%:*}/snakemake.log"; done
@@ -154,7 +154,7 @@ chain)
       variant_snakemake "$name" "$gpu" 16
       echo "$name: exit $? after $(( $(date +%s) - start )) s" | tee -a snakemake.log
       variant_excess "$gpu"
-      tar czf "/root/chain/$name.tgz" $VARIANT_FILES 2>/dev/null || true )
+      tar czf "/root/chain/${name//+/__}.tgz" $VARIANT_FILES 2>/dev/null || true )
   done
   touch "/root/chain/chain.${CHAIN_GPU:-0}.done"
   ;;
@@ -167,7 +167,8 @@ collect)
   for (( t = 0; t < ${2:-540}; t += 5 )); do all_done && break; sleep 5; done
   cp /root/chain/*.tgz /root/chain/chain.*.log "$OUT/" 2>/dev/null || true
   for dir in /root/ablation/*/; do
-    [[ -e /root/chain/$(basename "$dir").tgz ]] || ( cd "$dir" && tar czf "$OUT/$(basename "$dir")-running.tgz" \
+    name=$(basename "$dir"); name=${name//+/__}  # the device sends back no file whose name holds a '+'
+    [[ -e /root/chain/$name.tgz ]] || ( cd "$dir" && tar czf "$OUT/$name-running.tgz" \
       snakemake.log logs benchmarks results/train/metrics.jsonl 2>/dev/null ) || true
   done
   tail -n 5 /root/chain/chain.*.log; all_done && echo "chain done" || echo "chain running"
