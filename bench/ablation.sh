@@ -126,15 +126,19 @@ start)
   # between two calls). Each later variant starts from a copy of the first one's folder (its prefix; Snakemake's
   # params trigger retrains what its overlay changes; the first one's training, eval.json and split are left out, so
   # that a later variant that stops early sends back none of them as its own). `collect` brings back what is done.
-  # Variants on different GPUs (NAME:0 NAME:1 on nvidia-h200-x2) are separate chains side by side, one per GPU.
+  # Variants on different GPUs (NAME:0 NAME:1 on nvidia-h200-x2) are separate chains side by side, one per GPU;
+  # NAME:0,1 is one variant on both (with bench/ablation/gpus2.yaml, train_student under torchrun). A chain that
+  # outlasts the call it starts in needs the next `collect` call within the 30 s the machine stays warm: session 34
+  # lost two chains to later calls, so plan a variant to end inside the call that starts it.
   shift
   mkdir -p /root/chain  # not /root/out: the device's $OUT is emptied at each call's start (session 27 lost chain.log so)
   cp bench/ablation.sh /root/chain/ablation.sh  # bash reads a script as it runs it: the next call's checkout may replace this one
   gpus=$(for spec in "$@"; do gpu=${spec#*:}; [[ $gpu == "$spec" ]] && gpu=0; echo "$gpu"; done | sort -u)
-  echo $gpus > /root/chain/gpus
+  echo ${gpus//,/-} > /root/chain/gpus
   for gpu in $gpus; do
     specs=(); for spec in "$@"; do g=${spec#*:}; [[ $g == "$spec" ]] && g=0; [[ $g == "$gpu" ]] && specs+=("$spec"); done
-    CHAIN_GPU=$gpu setsid nohup bash /root/chain/ablation.sh chain "${specs[@]}" > "/root/chain/chain.$gpu.log" 2>&1 < /dev/null &
+    # file names without ',' (GPU list 0,1: one variant on both GPUs), which the device does not send back
+    CHAIN_GPU=${gpu//,/-} setsid nohup bash /root/chain/ablation.sh chain "${specs[@]}" > "/root/chain/chain.${gpu//,/-}.log" 2>&1 < /dev/null &
     echo "started on GPU $gpu: ${specs[*]}"
   done
   ;;

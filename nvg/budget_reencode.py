@@ -176,7 +176,8 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
                                                 is_head=name == "lm_head.weight" or arch.get("tie_word_embeddings", False),
                                                 device=device)
             print(f"  {name}: {vocab[name][0]} {rows[name]['bpw']:.3f} bpw, rel error {rows[name]['rel_error']:.4f}, "
-                  f"logits' rel error {rows[name]['rel_logit_error']:.4f}", file=sys.stderr)
+                  f"logits' rel error {rows[name]['rel_logit_error']:.4f}"
+                  + (f", scales × {rows[name]['scale_shrink']:g}" if "scale_shrink" in rows[name] else ""), file=sys.stderr)
             tensors.append(q)
         else:
             tensors.append(Tensor(name, t.dtype, t.shape, t.data))
