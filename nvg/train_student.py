@@ -77,6 +77,8 @@ class TrainSettings:
 
     def __post_init__(self):
         check(self.batch % self.gpus == 0, "train", "gpus", f"must divide train.batch {self.batch}, got {self.gpus}")
+        check(self.gpus == 1 or ":" not in self.device, "train", "device",
+              f"{self.device} names one GPU, but train.gpus {self.gpus} runs one process on each GPU it sees: use auto or cuda")
         check(self.targets == "live" or self.hidden_weight == 0, "train", "hidden_weight",
               f"needs targets: live (the cached top-k has no hidden states), got {self.hidden_weight}")
         check(self.targets == "live" or self.signs.init == "uniform", "train", "signs.init",

@@ -312,6 +312,8 @@ def test_a_live_teacher_the_student_was_not_encoded_from_is_refused(stage_inputs
 @pytest.mark.parametrize("text, message", [
     ('{"lr": 0}', "train.lr: 0 is less than or equal to the minimum of 0"),
     ('{"gpus": 3, "batch": 4}', "train.gpus: must divide train.batch 4, got 3"),
+    ('{"device": "gpu0"}', "train.device: 'gpu0' does not match"),
+    ('{"gpus": 2, "batch": 4, "device": "cuda:1"}', "train.device: cuda:1 names one GPU, but train.gpus 2 runs one process"),
     ('{"precision": "int8"}', "train.precision: 'int8' is not one of"),
     ('{"epochs": 1.5}', "train.epochs: 1.5 is not of type 'integer'"),
     ('{"stop_after": 0}', "train.stop_after: 0 is less than the minimum of 1"),
