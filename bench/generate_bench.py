@@ -41,7 +41,7 @@ def main():
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers_version": transformers.__version__,
            "batch": a.batch, "length": a.length, "date": time.strftime("%Y-%m-%d")}
     cmf = read_cmf(a.teacher)
-    firsts = generate_corpus.first_tokens(cmf.vocab, cmf.arch["vocab_size"], s)
+    firsts = generate_corpus.first_tokens(generate_corpus.teacher_tokenizer(cmf), cmf.arch["vocab_size"], s)
     decoder = Decoder(load_model(cmf, "cuda"), a.batch, a.length, torch.device("cuda"), s.precision)
     times = []
     for _ in range(2):  # the first call includes the compile and the graph captures

@@ -58,11 +58,15 @@ class CorpusSettings:
     precision: str
 
 
-def first_tokens(tokenizer_json: bytes, vocab_size: int, settings: CorpusSettings) -> np.ndarray:
-    """The first token of every sequence (int64 [sequences]); special tokens never start one."""
+def teacher_tokenizer(cmf):
+    """The teacher's tokenizer, from its CMF's vocab section (parsed once: first tokens and chat opening share it)."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+    return Tokenizer.from_str(cmf.vocab.decode("utf-8"))
+
+
+def first_tokens(tok, vocab_size: int, settings: CorpusSettings) -> np.ndarray:
+    """The first token of every sequence (int64 [sequences]); special tokens never start one."""
     special = set(tok.get_added_tokens_decoder())
     ids = np.array([i for i in range(min(vocab_size, tok.get_vocab_size())) if i not in special], dtype=np.int64)
     gen = torch.Generator().manual_seed(settings.seed)
@@ -76,17 +80,15 @@ def first_tokens(tokenizer_json: bytes, vocab_size: int, settings: CorpusSetting
 USER_TEXT = "\x00nvg user text\x00"  # where the template puts a user's words: no template writes this itself
 
 
-def chat_opening(cmf, source: Path) -> list[int]:
+def chat_opening(cmf, tok, source: Path) -> list[int]:
     """The token ids of the teacher's chat template before a user message's text (with the system prompt the
     template adds by itself, if any): rendered through the tokenizer's own template, so special tokens get
     their real ids."""
-    from tokenizers import Tokenizer
-
     if not cmf.header.get("tokenizer_config", {}).get("chat_template"):
         raise NvgError(f"{source}: config generate_corpus.chat is true but the teacher has no chat_template")
     rendered = ChatRenderer(cmf, source)([{"role": "user", "content": USER_TEXT}])
     opening = rendered[: rendered.index(USER_TEXT)]
-    return Tokenizer.from_str(cmf.vocab.decode("utf-8")).encode(opening, add_special_tokens=False).ids
+    return tok.encode(opening, add_special_tokens=False).ids
 
 
 def sample_sequences(decoder: Decoder, firsts: np.ndarray, opening: list[int], s: CorpusSettings,
@@ -118,14 +120,15 @@ def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None
     cmf = read_verified(teacher)
     if not cmf.vocab:
         raise NvgError(f"{teacher}: vocab section is empty (no tokenizer to pick first tokens with)")
-    opening = chat_opening(cmf, teacher) if s.chat else []
+    tok = teacher_tokenizer(cmf)
+    opening = chat_opening(cmf, tok, teacher) if s.chat else []
     if len(opening) + s.length > cmf.arch["max_position_embeddings"]:
         raise NvgError(f"config generate_corpus.length: {s.length} (after a chat opening of {len(opening)} tokens) "
                        f"exceeds the teacher's max_position_embeddings {cmf.arch['max_position_embeddings']}")
     rows = shard_rows(s.sequences, shard, s.shards)
     if len(rows) == 0:
         raise NvgError(f"config generate_corpus.shards: {s.shards} shards for {s.sequences} sequences leaves shard {shard} empty")
-    firsts = first_tokens(cmf.vocab, cmf.arch["vocab_size"], s)[rows]
+    firsts = first_tokens(tok, cmf.arch["vocab_size"], s)[rows]
     device = pick_device(s.device, shard)
     decoder = Decoder(load_model(cmf, device), min(s.batch, len(rows)), len(opening) + s.length, device,
                       s.precision, s.temperature, s.top_k, s.top_p)
