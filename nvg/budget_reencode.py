@@ -36,13 +36,20 @@ VOCAB_MATRICES = tuple(VOCAB_LINES.values())  # `encode.embedding`, or a plan li
 EMBEDDING_DTYPES = {"q8_row": Q8_ROW, "q4_block": Q4_BLOCK, "q4tp": Q4TP, "q2tp": Q2TP}
 
 
-def gptq_recoded(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, device="cpu") -> Tensor:
-    """`q` (group-scaled, groups within rows) with its scales kept and its codes chosen by GPTQ under H."""
+def gptq_group_codes(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, device="cpu") -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ's integer codes under H for `q`'s groups (groups within rows) on `q`'s own scales: codes [groups,
+    group size] and scales [groups], as `quant_groups` gives them (w = code · scale)."""
     codes, scales = quant_groups(q)
     rows, cols = W.shape
     per_row = scales.reshape(rows, -1)
     new = gptq_codes(W, H, per_row, cols // per_row.shape[1], lambda x: nearest_code(x, CODE_RANGE[q.dtype]), damp, device)
-    return Tensor(q.name, q.dtype, q.shape, with_group_codes(q, new.reshape(codes.shape)))
+    return new.reshape(codes.shape), scales
+
+
+def gptq_recoded(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, device="cpu") -> Tensor:
+    """`q` (group-scaled, groups within rows) with its scales kept and its codes chosen by GPTQ under H."""
+    codes, _ = gptq_group_codes(q, W, H, damp, device)
+    return Tensor(q.name, q.dtype, q.shape, with_group_codes(q, codes))
 
 
 SCALE_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)  # the absmax scales × one of these
@@ -55,18 +62,21 @@ def gptq_shrunk(q: Tensor, W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, 
     absmax spends the outer codes on a few large entries: SmolLM2's teacher alone with a q2tp head and
     embedding has 3.27× / 3.30× its held-out / python-docs perplexity at absmax, 2.52× / 2.53× at 0.8, the
     factor this picks. A factor per row erred less on SEL but not on python-docs (2.44× / 2.73×), so one
-    factor for the tensor (docs/quality.md). `encode.embedding_shrink`; returns the tensor and the factor."""
+    factor for the tensor (docs/quality.md). `encode.embedding_shrink`; returns the tensor and the factor.
+    Each factor's error is taken from its codes and scales as numbers; only the chosen one's codes are packed
+    (on a 2-core CPU, a random matrix of SmolLM2's head's shape: 78 s, where packing and decoding all nine took 86)."""
     _, scales = quant_groups(q)
     W64 = W.astype(np.float64)
-    best, best_err, best_shrink = q, np.inf, 1.0
+    best_err, best = np.inf, None
     for shrink in SCALE_SHRINK:
         scaled = q if shrink == 1.0 else Tensor(q.name, q.dtype, q.shape, with_group_scales(q, scales * shrink))
-        shrunk = gptq_recoded(scaled, W, H_fit, damp, device)
-        D = tensor_to_numpy(shrunk).astype(np.float64) - W64
+        codes, rung_scales = gptq_group_codes(scaled, W, H_fit, damp, device)
+        D = (codes * rung_scales[:, None].astype(np.float64)).reshape(W.shape) - W64
         err = float(((D @ H_sel) * D).sum())
         if err < best_err:
-            best, best_err, best_shrink = shrunk, err, shrink
-    return best, best_shrink
+            best_err, best = err, (scaled, codes, shrink)
+    scaled, codes, shrink = best
+    return Tensor(q.name, q.dtype, q.shape, with_group_codes(scaled, codes)), shrink
 
 
 def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeSettings, fmt: str, bpw: float,
