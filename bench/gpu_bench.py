@@ -310,9 +310,6 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
             row["profile"] = profiled(step)
         rows[name] = row
         print(json.dumps(rows), flush=True)
-        if name not in paired:  # a sign trainer's gradient hooks keep it, its state and the student alive past `d =
-            for mode in d.modes:  # None`, and no cyclic collection frees them: until session 34 each sign row's peak
-                mode.release()  # held the row before's (the 1B shape's grad_clip row 31.1 GB, where its own is ~21)
         d = opt = student = step = None
         if name in paired:
             held += torch.cuda.memory_allocated() - before

@@ -63,6 +63,7 @@ mean, but 3 × the mean of ten steps before in the avalanche's third step.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -303,10 +304,14 @@ class SignTrainer:
         # matrices whose gradient grad_clip scaled down
         self._step_rms = torch.zeros((), device=dev)  # this step's largest matrix step RMS before the clip
         self._scalars = torch.zeros(5, device=dev)  # η, the straight-through factor, Adam's bias corrections: begin_step
+        # The hooks reach the trainer through a weak reference: a tensor's hooks live where Python's cyclic collector
+        # does not look, so a strong one kept every dropped trainer, its latents and its state allocated for good
+        # (bench/gpu_bench.py's next mode measured them in its peak, session 34).
+        arrived = weakref.WeakMethod(self._arrived)
         self.hooks = []
         for key, p in self.mats.items():
             p.requires_grad_(True)
-            self.hooks.append(p.register_post_accumulate_grad_hook(lambda p, key=key: self._arrived(key, p)))
+            self.hooks.append(p.register_post_accumulate_grad_hook(lambda p, key=key: arrived()(key, p)))
 
     @torch.no_grad()
     def release(self) -> None:

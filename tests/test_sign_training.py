@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,17 @@ def test_a_toy_problem_that_needs_flips_is_solved(optimizer):
     assert wrong > 100 and still_wrong < 0.1 * wrong, (wrong, still_wrong)
     assert losses[-1] < 0.05 * losses[0]
     assert trainer.stats()["distinct"] > 0.8 * wrong
+
+
+def test_a_dropped_trainer_is_freed_with_its_state():
+    """The gradient hooks on the sign matrices do not keep their trainer alive: a tensor's hooks are out of the
+    cyclic collector's sight, and a trainer they held (latents, optimizer state) stayed allocated for good."""
+    target, student = toy()
+    settings = load(SignSettings, enabled=True, eta=0.01, warm=0, max_step_flip=1.0, max_total_flip=1.0)
+    trainer, _, _ = run_toy(student, target, settings, 3)  # trained a little, so its hooks have run
+    trainer_ref, latent_ref = weakref.ref(trainer), weakref.ref(next(iter(trainer.latents.values()))["z"])
+    trainer = None
+    assert trainer_ref() is None and latent_ref() is None
 
 
 def test_adam_moves_every_latent_at_the_same_speed_and_solves_less():
