@@ -26,12 +26,12 @@ import math
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
 
 from nvg.artifacts import check_encoded_from, read_windows
 from nvg.cmf import read_verified
 from nvg.model import autocast, load_model, pick_device
 from nvg.sources import ChatRenderer, source_tokens
+from nvg.tokenizer import cmf_tokenizer
 
 EDGES = [0.0, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, float("inf")]  # teacher entropy, nats
 
@@ -64,25 +64,21 @@ def copy_positions(windows: np.ndarray) -> np.ndarray:
     return np.concatenate(out)
 
 
-def by_copy(p: dict, copies: np.ndarray) -> dict:
+def excess_stats(p: dict, m: np.ndarray) -> dict:
+    """The positions `m` selects: their share, count, mean excess NLL and mean teacher NLL."""
     excess = p["s_nll"] - p["t_nll"]
-    split = {}
-    for label, m in (("copy", copies), ("other", ~copies)):
-        split[label] = {"share": float(m.mean()), "positions": int(m.sum()),
-                        "mean_excess_nll": float(excess[m].mean()) if m.any() else None,
-                        "teacher_nll": float(p["t_nll"][m].mean()) if m.any() else None}
-    return split
+    return {"share": float(m.mean()), "positions": int(m.sum()),
+            "mean_excess_nll": float(excess[m].mean()) if m.any() else None,
+            "teacher_nll": float(p["t_nll"][m].mean()) if m.any() else None}
+
+
+def by_copy(p: dict, copies: np.ndarray) -> dict:
+    return {"copy": excess_stats(p, copies), "other": excess_stats(p, ~copies)}
 
 
 def by_bin(p: dict) -> list[dict]:
-    excess = p["s_nll"] - p["t_nll"]
-    rows = []
-    for lo, hi in zip(EDGES[:-1], EDGES[1:]):
-        m = (p["entropy"] >= lo) & (p["entropy"] < hi)
-        rows.append({"entropy": [lo, hi], "share": float(m.mean()), "positions": int(m.sum()),
-                     "mean_excess_nll": float(excess[m].mean()) if m.any() else None,
-                     "teacher_nll": float(p["t_nll"][m].mean()) if m.any() else None})
-    return rows
+    return [{"entropy": [lo, hi], **excess_stats(p, (p["entropy"] >= lo) & (p["entropy"] < hi))}
+            for lo, hi in zip(EDGES[:-1], EDGES[1:])]
 
 
 def main():
@@ -101,7 +97,7 @@ def main():
     check_encoded_from(s_cmf, t_cmf)  # as evaluate does: a student of another teacher would split nonsense
     tokens, attrs = read_windows(a.windows, t_cmf.arch["vocab_size"])
     sets = {"held-out": tokens[int(attrs["n_train"]):]}
-    tok = Tokenizer.from_str(t_cmf.vocab.decode("utf-8"))
+    tok = cmf_tokenizer(t_cmf, a.teacher, "tokenize --ood with")
     window = tokens.shape[1]
     for source in a.ood:
         ids = source_tokens(source, a.ood_tokens, tok, ChatRenderer(t_cmf, source))

@@ -28,6 +28,7 @@ from nvg.cmf import read_cmf  # noqa: E402
 from nvg.decoding import Decoder  # noqa: E402
 from nvg.model import load_model  # noqa: E402
 from nvg.settings import load  # noqa: E402
+from nvg.tokenizer import cmf_tokenizer  # noqa: E402
 
 
 def main():
@@ -41,7 +42,7 @@ def main():
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers_version": transformers.__version__,
            "batch": a.batch, "length": a.length, "date": time.strftime("%Y-%m-%d")}
     cmf = read_cmf(a.teacher)
-    firsts = generate_corpus.first_tokens(generate_corpus.teacher_tokenizer(cmf), cmf.arch["vocab_size"], s)
+    firsts = generate_corpus.first_tokens(cmf_tokenizer(cmf, a.teacher, "pick first tokens with"), cmf.arch["vocab_size"], s)
     decoder = Decoder(load_model(cmf, "cuda"), a.batch, a.length, torch.device("cuda"), s.precision)
     times = []
     for _ in range(2):  # the first call includes the compile and the graph captures

@@ -35,6 +35,7 @@ from nvg.model import autocast, compile_blocks, computing_in, load_model, pick_d
 from nvg.progress import bar
 from nvg.settings import SETTINGS_HELP, load
 from nvg.sources import ChatRenderer, source_tokens
+from nvg.tokenizer import cmf_tokenizer
 
 
 @dataclass
@@ -148,9 +149,7 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, k: int, out: 
     print(f"evaluate: {computing_in(device, 'evaluate.precision', settings.precision)}", file=sys.stderr)
     sets = [ScoredSet("held-out", tokens[n_train:])]
     if settings.ood:
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_str(cmfs["teacher"].vocab.decode("utf-8"))
+        tok = cmf_tokenizer(cmfs["teacher"], teacher, "tokenize evaluate.ood with")
         window = tokens.shape[1]
         for source in settings.ood:
             ids = source_tokens(source, settings.ood_tokens, tok, ChatRenderer(cmfs["teacher"], source))

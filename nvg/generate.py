@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from nvg.cmf import read_cmf
-from nvg.errors import NvgError, exits_cleanly
+from nvg.errors import exits_cleanly
 from nvg.model import autocast, load_model, pick_device
 from nvg.sources import ChatRenderer
+from nvg.tokenizer import cmf_tokenizer
 
 
 @torch.no_grad()
@@ -59,12 +60,8 @@ def prompt_ids(cmf, tokenizer, prompt: str, chat: bool) -> list[int]:
 
 def main(source: Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, chat: bool = False,
          seed: int = 0, device: str = "auto") -> str:
-    from tokenizers import Tokenizer
-
     cmf = read_cmf(source)
-    if not cmf.vocab:
-        raise NvgError(f"{source}: vocab section is empty: no tokenizer to generate with")
-    tok = Tokenizer.from_str(cmf.vocab.decode("utf-8"))
+    tok = cmf_tokenizer(cmf, source, "generate with")
     tok_cfg = cmf.header.get("tokenizer_config", {})
     dev = pick_device(device)
     model = load_model(cmf, dev)

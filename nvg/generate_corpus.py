@@ -35,6 +35,7 @@ from nvg.errors import NvgError, exits_cleanly
 from nvg.model import load_model, pick_device
 from nvg.progress import bar
 from nvg.sources import ChatRenderer
+from nvg.tokenizer import cmf_tokenizer
 from nvg.settings import SETTINGS_HELP, load
 
 
@@ -56,13 +57,6 @@ class CorpusSettings:
     seed: int
     device: str
     precision: str
-
-
-def teacher_tokenizer(cmf):
-    """The teacher's tokenizer, from its CMF's vocab section (parsed once: first tokens and chat opening share it)."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_str(cmf.vocab.decode("utf-8"))
 
 
 def first_tokens(tok, vocab_size: int, settings: CorpusSettings) -> np.ndarray:
@@ -118,9 +112,7 @@ def sample_sequences(decoder: Decoder, firsts: np.ndarray, opening: list[int], s
 def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None:
     s = settings
     cmf = read_verified(teacher)
-    if not cmf.vocab:
-        raise NvgError(f"{teacher}: vocab section is empty (no tokenizer to pick first tokens with)")
-    tok = teacher_tokenizer(cmf)
+    tok = cmf_tokenizer(cmf, teacher, "pick first tokens with")  # parsed once: the chat opening uses it too
     opening = chat_opening(cmf, tok, teacher) if s.chat else []
     if len(opening) + s.length > cmf.arch["max_position_embeddings"]:
         raise NvgError(f"config generate_corpus.length: {s.length} (after a chat opening of {len(opening)} tokens) "

@@ -25,6 +25,7 @@ from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
 from nvg.settings import SETTINGS_HELP, load
 from nvg.sources import GENERATED, ChatRenderer, source_tokens, split_budget
+from nvg.tokenizer import cmf_tokenizer
 
 
 @dataclass
@@ -56,12 +57,8 @@ def source_windows(spec: str, budget: int, window: int, tokenizer, render_chat, 
 
 
 def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Path] = ()) -> None:
-    from tokenizers import Tokenizer
-
     cmf = read_verified(teacher)
-    if not cmf.vocab:
-        raise NvgError(f"{teacher}: vocab section is empty (no tokenizer to tokenize with)")
-    tokenizer = Tokenizer.from_str(cmf.vocab.decode("utf-8"))
+    tokenizer = cmf_tokenizer(cmf, teacher, "tokenize with")
     max_pos = cmf.arch["max_position_embeddings"]
     if settings.window > max_pos:
         raise NvgError(f"config data.window: {settings.window} exceeds the teacher's max_position_embeddings {max_pos}")

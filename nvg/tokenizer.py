@@ -1,8 +1,19 @@
-"""The model's tokenizer as transformers knows it, built from a CMF's vocab section (tokenizer.json)
-and the `tokenizer_config` of its header (special tokens and the chat template): for chat rendering,
-where the template may use `bos_token` and friends, and for export."""
+"""The model's tokenizer from a CMF's vocab section (tokenizer.json): as `tokenizers` parses it, for the
+stages that tokenize, and as transformers knows it, with the `tokenizer_config` of its header (special tokens
+and the chat template), for chat rendering, where the template may use `bos_token` and friends, and for export."""
 
 from __future__ import annotations
+
+from nvg.errors import NvgError
+
+
+def cmf_tokenizer(cmf, source, purpose: str):
+    """The CMF's tokenizer (`tokenizers.Tokenizer`); one error line naming `source` when it has none to `purpose`."""
+    from tokenizers import Tokenizer
+
+    if not cmf.vocab:
+        raise NvgError(f"{source}: vocab section is empty: no tokenizer to {purpose}")
+    return Tokenizer.from_str(cmf.vocab.decode("utf-8"))
 
 
 def hf_tokenizer(cmf):

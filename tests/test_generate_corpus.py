@@ -18,6 +18,7 @@ from nvg.decoding import Decoder, gumbel_argmax, sample
 from nvg.generate_corpus import CorpusSettings
 from nvg.model import load_model
 from nvg.settings import load
+from nvg.tokenizer import cmf_tokenizer
 from tests.conftest import fails_cleanly
 
 
@@ -145,7 +146,7 @@ def test_shards_hold_llm_qat_sequences(corpus, tiny_cmf, capsys):
     special = set(tok.get_added_tokens_decoder())
     firsts = tokens[:, 0]
     assert len(set(firsts.tolist())) == 12 and not special & set(firsts.tolist())  # a walk over the vocabulary
-    assert np.array_equal(firsts, generate_corpus.first_tokens(generate_corpus.teacher_tokenizer(read_cmf(tiny_cmf)), 300, s))
+    assert np.array_equal(firsts, generate_corpus.first_tokens(cmf_tokenizer(read_cmf(tiny_cmf), tiny_cmf, "test"), 300, s))
     model = load_model(tiny_cmf)
     with torch.no_grad():  # the greedy prefix: argmax continuations of the first token
         logits = model(torch.from_numpy(tokens[:, :4]).long())
@@ -200,11 +201,11 @@ def test_a_chat_opening_conditions_the_text_and_is_not_written(tiny_cmf, tmp_pat
     generate_corpus.main(tiny_cmf, 0, out, s)
     tokens = h5py.File(out, "r")["tokens"][...]
     cmf = read_cmf(tiny_cmf)
-    opening = generate_corpus.chat_opening(cmf, generate_corpus.teacher_tokenizer(cmf), tiny_cmf)
+    opening = generate_corpus.chat_opening(cmf, cmf_tokenizer(cmf, tiny_cmf, "test"), tiny_cmf)
     tok = Tokenizer.from_str(cmf.vocab.decode())
     assert tok.decode(opening, skip_special_tokens=False) == "<|im_start|>user\n"
     assert tok.token_to_id("<|im_start|>") in opening  # the special token's own id, not its characters
-    assert tokens.shape == (4, 24) and np.array_equal(tokens[:, 0], generate_corpus.first_tokens(generate_corpus.teacher_tokenizer(cmf), 300, s))
+    assert tokens.shape == (4, 24) and np.array_equal(tokens[:, 0], generate_corpus.first_tokens(cmf_tokenizer(cmf, tiny_cmf, "test"), 300, s))
     with torch.no_grad():
         context = torch.cat([torch.tensor(opening).expand(4, -1), torch.from_numpy(tokens[:, :4]).long()], 1)
         after_opening = load_model(tiny_cmf)(context)[:, len(opening):]
