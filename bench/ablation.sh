@@ -45,7 +45,7 @@ TRIGGERS="--rerun-triggers params input software-env code"
 # them); tokenize_windows still checks each shard's teacher, place and token digest. The shards must be what
 # the config's generate_corpus would write: the digests printed here are compared with the log of the session
 # that made them.
-if compgen -G ".corpus/generated.*.h5.gz.*" > /dev/null && [[ ! -d results/corpus && $1 != corpus-out ]]; then
+if compgen -G ".corpus/generated.*.h5.gz.*" > /dev/null && [[ ! -d results/corpus && $1 =~ ^(prefix|run|start)$ ]]; then
   mkdir -p results/corpus
   for first in .corpus/generated.*.h5.gz.aa; do
     name=$(basename "${first%.gz.aa}"); cat ".corpus/$name.gz."* | gunzip > "results/corpus/$name"
@@ -158,7 +158,9 @@ chain)
       variant_snakemake "$name" "$gpu" 16
       echo "$name: exit $? after $(( $(date +%s) - start )) s" | tee -a snakemake.log
       variant_excess "$gpu"
-      tar czf "/root/chain/${name//+/__}.tgz" $VARIANT_FILES 2>/dev/null || true )
+      # written aside, then renamed: `collect` sends archives while the chain runs, never a half-written one
+      tar czf "/root/chain/${name//+/__}.tgz.part" $VARIANT_FILES 2>/dev/null
+      mv "/root/chain/${name//+/__}.tgz.part" "/root/chain/${name//+/__}.tgz" )
   done
   touch "/root/chain/chain.${CHAIN_GPU:-0}.done"
   ;;
@@ -166,10 +168,14 @@ collect)
   # Wait up to $2 seconds for every chain to end, then send back every finished variant's archive, the chains' logs
   # and the running variants' logs and metrics so far. A machine without the chains (a fresh one: the held one went
   # back between calls, session 29) says so at once instead of waiting out the call's device time.
+  # Each finished variant's archive goes to $OUT as soon as it exists, not at the end: a call killed at its limit
+  # still brings back what finished (session 35 lost a finished-in-time variant to a `collect` that waited past the
+  # call's 600 s). Give the wait as what is left of the call: `collect $((570 - SECONDS))` in the call's own shell.
   [[ -e /root/chain/gpus ]] || { echo "no chain on this machine (a fresh machine? start it again)" >&2; exit 1; }
   all_done() { local gpu; for gpu in $(cat /root/chain/gpus); do [[ -e /root/chain/chain.$gpu.done ]] || return 1; done; }
-  for (( t = 0; t < ${2:-540}; t += 5 )); do all_done && break; sleep 5; done
-  cp /root/chain/*.tgz /root/chain/chain.*.log "$OUT/" 2>/dev/null || true
+  send_finished() { cp -u /root/chain/*.tgz /root/chain/chain.*.log "$OUT/" 2>/dev/null || true; }
+  for (( t = 0; t < ${2:-540}; t += 5 )); do send_finished; all_done && break; sleep 5; done
+  send_finished
   for dir in /root/ablation/*/; do
     name=$(basename "$dir"); name=${name//+/__}  # the device sends back no file whose name holds a '+'
     [[ -e /root/chain/$name.tgz ]] || ( cd "$dir" && tar czf "$OUT/$name-running.tgz" \
