@@ -249,6 +249,12 @@ def buckets(keys: dict[str, tuple[int | None, tuple[int, ...]]]) -> list[list[st
     return list(groups.values())
 
 
+
+def remove_hooks(hooks: list) -> None:
+    """Removes gradient hooks (removing one twice does nothing)."""
+    for hook in hooks:
+        hook.remove()
+
 class SignTrainer:
     """The latents and optimizer state of every sign matrix, updated bucket by bucket from inside the
     backward pass; a training mode of `nvg.distill.Distiller` (its hooks are documented there)."""
@@ -307,19 +313,21 @@ class SignTrainer:
         # The hooks reach the trainer through a weak reference: a tensor's hooks live where Python's cyclic collector
         # does not look, so a strong one kept every dropped trainer, its latents and its state allocated for good
         # (bench/gpu_bench.py's next mode measured them in its peak, session 34).
+        # A trainer dropped without `release` takes its hooks with it (the finalizer), so a later backward through
+        # the matrices never calls a hook whose trainer is gone.
         arrived = weakref.WeakMethod(self._arrived)
         self.hooks = []
         for key, p in self.mats.items():
             p.requires_grad_(True)
             self.hooks.append(p.register_post_accumulate_grad_hook(lambda p, key=key: arrived()(key, p)))
+        weakref.finalize(self, remove_hooks, self.hooks)
 
     @torch.no_grad()
     def release(self) -> None:
         """Training is over (reconstruction moves on to the next block): every sign matrix frozen, in its
         own storage and its dtype from before, the hooks removed, the latents and their state freed.
         `snapshot` and `restore` still work; nothing else does."""
-        for hook in self.hooks:
-            hook.remove()
+        remove_hooks(self.hooks)
         for key, p in self.mats.items():
             p.requires_grad_(False)
             p.data = p.data.to(self.dtypes[key], copy=True)

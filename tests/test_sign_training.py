@@ -101,6 +101,10 @@ def test_a_dropped_trainer_is_freed_with_its_state():
     trainer_ref, latent_ref = weakref.ref(trainer), weakref.ref(next(iter(trainer.latents.values()))["z"])
     trainer = None
     assert trainer_ref() is None and latent_ref() is None
+    # its hooks went with it: a backward through the matrices still runs (it called a dead hook before)
+    x = torch.randn(4, student.g.shape[1])
+    (student(x) - target(x)).pow(2).mean().backward()
+    assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
 
 
 def test_adam_moves_every_latent_at_the_same_speed_and_solves_less():
