@@ -41,8 +41,9 @@ class WindowSettings:
 
 
 def source_windows(spec: str, budget: int, window: int, tokenizer, render_chat, generated: np.ndarray | None) -> np.ndarray:
-    """Up to `budget` tokens of one source as [n, window] windows. Generated sequences are cut one by
-    one (a window never spans two sequences)."""
+    """Up to `budget` tokens of one source as [n, window] windows. Generated sequences at least a window long
+    are cut one by one (a window never spans two of them); shorter ones are packed end to end, several to a
+    window, as pretraining packs documents (each still starts from its own first token)."""
     if spec != GENERATED:
         ids = source_tokens(spec, budget, tokenizer, render_chat)
         n = len(ids) // window
@@ -50,7 +51,8 @@ def source_windows(spec: str, budget: int, window: int, tokenizer, render_chat, 
     if generated is None:
         raise NvgError(f"config data.sources: {GENERATED!r} needs the generate_corpus shards (--generated)")
     if generated.shape[1] < window:
-        raise NvgError(f"config generate_corpus.length: {generated.shape[1]} is shorter than data.window {window}")
+        packed = generated.reshape(-1)
+        return packed[: len(packed) // window * window].reshape(-1, window)[: budget // window]
     per = generated.shape[1] // window
     cut = generated[:, : per * window].reshape(-1, window)
     return cut[: budget // window]

@@ -172,6 +172,11 @@ def test_tokenize_windows_cuts_generated_sequences_into_windows(corpus, tiny_cmf
     assert windows.shape == (22, 16)
     expected = {tuple(w) for w in generated[:, :32].reshape(-1, 16)[:22]}  # two windows per 40-token sequence
     assert {tuple(w) for w in windows} == expected
+    # sequences shorter than a window are packed end to end: a 64-token window holds one and a half of them
+    settings = load(tokenize_windows.WindowSettings, sources=[{"path": "generated"}], tokens=384, window=64, eval_windows=1)
+    tokenize_windows.main(tiny_cmf, out, settings, shards)
+    windows, _ = read_windows(out)
+    assert {tuple(w) for w in windows} == {tuple(w) for w in generated.reshape(-1)[: 7 * 64].reshape(7, 64)}
     # a corpus written by another teacher is refused, naming the shard
     other = tmp_path / "other.h5"
     shutil.copy(shards[0], other)
