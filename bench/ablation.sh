@@ -170,7 +170,8 @@ collect)
   # back between calls, session 29) says so at once instead of waiting out the call's device time.
   # Each finished variant's archive goes to $OUT as soon as it exists, not at the end: a call killed at its limit
   # still brings back what finished (session 35 lost a finished-in-time variant to a `collect` that waited past the
-  # call's 600 s). Give the wait as what is left of the call: `collect $((570 - SECONDS))` in the call's own shell.
+  # call's 600 s). Give the wait as what is left of the call: begin the call
+  # with `T0=$(date +%s);` and end it with `collect $((T0 + 570 - $(date +%s)))` (any POSIX shell).
   [[ -e /root/chain/gpus ]] || { echo "no chain on this machine (a fresh machine? start it again)" >&2; exit 1; }
   all_done() { local gpu; for gpu in $(cat /root/chain/gpus); do [[ -e /root/chain/chain.$gpu.done ]] || return 1; done; }
   send_finished() { cp -u /root/chain/*.tgz /root/chain/chain.*.log "$OUT/" 2>/dev/null || true; }
