@@ -189,7 +189,7 @@ def main(source: Path, out: Path, dtype: str = "float32", evaluation: Path | Non
             config.quantization_config = NvgConfig(linears).to_dict()
         config.save_pretrained(out)
         GenerationConfig.from_model_config(config).save_pretrained(out)
-        hf_tokenizer(cmf).save_pretrained(out)
+        hf_tokenizer(cmf, source, "export").save_pretrained(out)
         (out / "README.md").write_text(model_card(cmf, source, report, packed))
         umask = os.umask(0)
         os.umask(umask)

@@ -312,9 +312,8 @@ class SignTrainer:
         self._scalars = torch.zeros(5, device=dev)  # η, the straight-through factor, Adam's bias corrections: begin_step
         # The hooks reach the trainer through a weak reference: a tensor's hooks live where Python's cyclic collector
         # does not look, so a strong one kept every dropped trainer, its latents and its state allocated for good
-        # (bench/gpu_bench.py's next mode measured them in its peak, session 34).
-        # A trainer dropped without `release` takes its hooks with it (the finalizer), so a later backward through
-        # the matrices never calls a hook whose trainer is gone.
+        # (bench/gpu_bench.py's next mode measured them in its peak, session 34). The finalizer removes them with
+        # a trainer dropped without `release`, so no later backward calls a hook whose trainer is gone.
         arrived = weakref.WeakMethod(self._arrived)
         self.hooks = []
         for key, p in self.mats.items():

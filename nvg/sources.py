@@ -46,7 +46,7 @@ class ChatRenderer:
         if not self.cmf.header.get("tokenizer_config", {}).get("chat_template"):
             raise NvgError(f"{self.source}: chat messages found but the teacher has no chat_template")
         if self.tokenizer is None:
-            self.tokenizer = hf_tokenizer(self.cmf)
+            self.tokenizer = hf_tokenizer(self.cmf, self.source, "render chat records with")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 

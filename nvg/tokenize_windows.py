@@ -50,12 +50,10 @@ def source_windows(spec: str, budget: int, window: int, tokenizer, render_chat, 
         return ids[: n * window].reshape(n, window)
     if generated is None:
         raise NvgError(f"config data.sources: {GENERATED!r} needs the generate_corpus shards (--generated)")
-    if generated.shape[1] < window:
-        packed = generated.reshape(-1)
-        return packed[: len(packed) // window * window].reshape(-1, window)[: budget // window]
-    per = generated.shape[1] // window
-    cut = generated[:, : per * window].reshape(-1, window)
-    return cut[: budget // window]
+    length = generated.shape[1]
+    ids = generated[:, : length // window * window] if length >= window else generated  # whole windows of each, or all
+    ids = ids.reshape(-1)
+    return ids[: len(ids) // window * window].reshape(-1, window)[: budget // window]
 
 
 def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Path] = ()) -> None:

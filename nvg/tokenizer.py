@@ -16,12 +16,13 @@ def cmf_tokenizer(cmf, source, purpose: str):
     return Tokenizer.from_str(cmf.vocab.decode("utf-8"))
 
 
-def hf_tokenizer(cmf):
-    from tokenizers import Tokenizer
+def hf_tokenizer(cmf, source, purpose: str):
+    """The CMF's tokenizer as transformers knows it (`PreTrainedTokenizerFast`), with its special tokens and chat
+    template; the same error line as `cmf_tokenizer` when it has none."""
     from transformers import PreTrainedTokenizerFast
 
     tok_cfg = cmf.header.get("tokenizer_config", {})
-    tok = Tokenizer.from_str(cmf.vocab.decode("utf-8"))
+    tok = cmf_tokenizer(cmf, source, purpose)
     special = {}
     if tok_cfg.get("eos_token_ids"):
         special["eos_token"] = tok.id_to_token(tok_cfg["eos_token_ids"][0])
