@@ -132,6 +132,7 @@ start)
   # lost two chains to later calls, so plan a variant to end inside the call that starts it.
   shift
   mkdir -p /root/chain  # not /root/out: the device's $OUT is emptied at each call's start (session 27 lost chain.log so)
+  rm -f /root/chain/*.done /root/chain/*.tgz  # an earlier chain's marks: `collect` would take this one for ended
   cp bench/ablation.sh /root/chain/ablation.sh  # bash reads a script as it runs it: the next call's checkout may replace this one
   gpus=$(for spec in "$@"; do gpu=${spec#*:}; [[ $gpu == "$spec" ]] && gpu=0; echo "$gpu"; done | sort -u)
   echo ${gpus//,/-} > /root/chain/gpus
@@ -153,6 +154,8 @@ chain)
       if [[ $name != "$first" ]]; then cp -a "/root/ablation/$first" "$dir" && rm -rf "$dir/results/train" "$dir/results/eval.json" "$dir"/excess.*
       else cp -a "$PWD" "$dir"; fi
     fi
+    # this call's overlays: a folder made in an earlier call lacks an overlay added since (session 36 lost a call so)
+    cp bench/ablation/*.yaml "$dir/bench/ablation/" || true
     ( set +e; cd "$dir"; start=$(date +%s)
       snakemake --unlock --configfile $BASE $(overlays "$name") > /dev/null 2>&1
       variant_snakemake "$name" "$gpu" 16
