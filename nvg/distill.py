@@ -38,6 +38,9 @@ from nvg.distributed import Group
 from nvg.losses import full_kl, hidden_mse, topk_kl
 from nvg.model import autocast
 
+# A live teacher's outputs for every window are kept when they fit in this many bytes (see `Distiller._teacher`)
+TEACHER_MEMO_BYTES = 2 << 30
+
 
 def lr_shape(step: int, total: int) -> float:
     """Linear warm-up over max(1, total/50) steps, then cosine to zero at `total`."""
@@ -112,6 +115,7 @@ class Distiller:
         self.model, self.targets, self.device, self.group = model, targets, device, group
         self.batch_size, self.precision, self.tail = batch, precision, tail
         self.teacher, self.hidden_weight = teacher, hidden_weight  # a live teacher: see the module docstring
+        self._teacher_memo = {} if teacher is not None and self._teacher_bytes() <= TEACHER_MEMO_BYTES else None
         self.params = trainable(model, train_group_scales)
         # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
         self.recompute_every = recompute_every if device.type == "cuda" else 0
@@ -143,6 +147,30 @@ class Distiller:
             t = self._read_targets(rows)
         return tuple(x.to(self.device, non_blocking=True) for x in t)
 
+    def _teacher_bytes(self) -> int:
+        """What `_teacher` keeps for every window, at most (float32)."""
+        n, window = self.targets.tokens.shape
+        kept = len(self.teacher.model.layers) if self.hidden_weight > 0 else 1
+        return n * window * self.teacher.head_weight.shape[1] * kept * 4
+
+    @torch.no_grad()
+    def _teacher(self, rows, ids) -> list[torch.Tensor]:
+        """The live teacher's residual stream for `rows` (every block's output, [b, t, hidden] each) with a
+        hidden-state loss, else its final-normed hidden states alone (a list of one). Kept per window when
+        every window's fit in TEACHER_MEMO_BYTES (the CPU default job's do): the teacher is frozen, so each
+        epoch after the first reads them instead of running it again, which on a 2-core CPU is about a third
+        of a live step. The GPU recipe's thousands of windows do not fit, and run the teacher every step."""
+        def run():
+            return list(self.teacher.residuals(ids)) if self.hidden_weight > 0 else [self.teacher.hidden(ids)]
+        memo, rows = self._teacher_memo, [int(r) for r in rows]
+        if memo is None:
+            return run()
+        if not all(r in memo for r in rows):
+            out = run()
+            memo.update({r: [x[i].clone() for x in out] for i, r in enumerate(rows)})
+            return out
+        return [torch.stack([memo[r][j] for r in rows]) for j in range(len(memo[rows[0]]))]
+
     def loss(self, rows) -> torch.Tensor:
         """Mean per-token loss over `rows`: the KL, plus the hidden-state term when training against a
         live teacher (the held-out evaluation, without gradient, is the KL alone)."""
@@ -156,14 +184,12 @@ class Distiller:
                 hidden = self.model.hidden(ids, recompute)
                 t_ids, t_logp = self._targets(rows)
                 return topk_kl(hidden, self.model.head_weight, t_ids, t_logp, self.tail) / ids.numel()
+            t_res = self._teacher(rows, ids)
+            with torch.no_grad():
+                t_hidden = self.teacher.model.norm(t_res[-1]) if self.hidden_weight > 0 else t_res[0]
             if not (training and self.hidden_weight > 0):
-                with torch.no_grad():
-                    t_hidden = self.teacher.hidden(ids)
                 hidden = self.model.hidden(ids, recompute)
                 return full_kl(hidden, self.model.head_weight, t_hidden, self.teacher.head_weight) / ids.numel()
-            with torch.no_grad():
-                t_res = list(self.teacher.residuals(ids))
-                t_hidden = self.teacher.model.norm(t_res[-1])
             res = list(self.model.residuals(ids, recompute))
             kl = full_kl(self.model.model.norm(res[-1]), self.model.head_weight, t_hidden, self.teacher.head_weight)
             return kl / ids.numel() + self.hidden_weight * hidden_mse(res, t_res)
