@@ -158,8 +158,9 @@ class Distiller:
         """The live teacher's residual stream for `rows` (every block's output, [b, t, hidden] each) with a
         hidden-state loss, else its final-normed hidden states alone (a list of one). Kept per window when
         every window's fit in TEACHER_MEMO_BYTES (the CPU default job's do): the teacher is frozen, so each
-        epoch after the first reads them instead of running it again, which on a 2-core CPU is about a third
-        of a live step. The GPU recipe's thousands of windows do not fit, and run the teacher every step."""
+        epoch after the first reads them instead of running it again (0.29 s of a 1.7 s live step on a 2-core
+        CPU in bf16, more in float32). The GPU recipe's thousands of windows do not fit, and run the teacher
+        every step."""
         def run():
             return list(self.teacher.residuals(ids)) if self.hidden_weight > 0 else [self.teacher.hidden(ids)]
         memo, rows = self._teacher_memo, [int(r) for r in rows]
