@@ -80,7 +80,7 @@ class TrainSettings:
         check(self.gpus == 1 or ":" not in self.device, "train", "device",
               f"{self.device} names one GPU, but train.gpus {self.gpus} runs one process on each GPU it sees: use auto or cuda")
         check(self.targets == "live" or self.hidden_weight == 0, "train", "hidden_weight",
-              f"needs targets: live (the cached top-k has no hidden states), got {self.hidden_weight}")
+              f"needs targets: live (the cached top-k has no hidden states), got {self.hidden_weight}; with targets: topk set it to 0")
         check(self.targets == "live" or self.signs.init == "uniform", "train", "signs.init",
               "margin needs targets: live (the margins come from the live teacher's weights)")
         check(self.targets == "topk" or not self.tail, "train", "tail", "applies to targets: topk only (live targets have the whole vocabulary)")

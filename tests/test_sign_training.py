@@ -412,7 +412,7 @@ def test_margin_initialised_signs_need_the_live_teacher():
     from nvg.train_student import TrainSettings
 
     with pytest.raises(NvgError, match=r"train.*signs\.init.*margin needs targets: live"):
-        load(TrainSettings, signs={"enabled": True, "init": "margin"})
+        load(TrainSettings, targets="topk", hidden_weight=0.0, signs={"enabled": True, "init": "margin"})
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "factored", "plain"])

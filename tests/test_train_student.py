@@ -345,7 +345,7 @@ def test_a_live_teacher_the_student_was_not_encoded_from_is_refused(stage_inputs
     ('{"stop_after": 0}', "train.stop_after: 0 is less than the minimum of 1"),
     ('{"signs": {"tau": 0}}', "train.signs.tau: 0 is less than or equal to the minimum of 0"),
     ('{"signz": {}}', "train.signz: unknown key"),
-    ('{"hidden_weight": 1.0}', "train.hidden_weight: needs targets: live"),
+    ('{"targets": "topk", "hidden_weight": 1.0}', "train.hidden_weight: needs targets: live"),
     ('{"targets": "live", "tail": true}', "train.tail: applies to targets: topk only"),
 ])
 def test_bad_settings(text, message):
@@ -366,7 +366,7 @@ def test_a_non_finite_step_is_skipped_counted_and_logged(stage_inputs, monkeypat
         return loss * float("nan") if torch.is_grad_enabled() and 0 in rows else loss
 
     monkeypatch.setattr(Distiller, "loss", poisoned)
-    s = load(TrainSettings, epochs=2, batch=8, lr=0.01, eval_every=100, state_every=0, precision="fp16",
+    s = load(TrainSettings, epochs=2, batch=8, lr=0.01, eval_every=100, state_every=0, precision="fp16", targets="topk", hidden_weight=0.0,
              state_root=str(d / "state-nan"))
     main(d / "student.cmf", d / "windows.h5", [d / "topk.0.h5"], "tiny", d / "nan.cmf", d / "nan.jsonl", s)
     block = read_cmf(d / "nan.cmf").header["provenance"]["nvg_train"]
@@ -434,7 +434,8 @@ def test_training_memory_for_targets_stays_one_batch_on_a_shard_far_larger(tiny_
     tokens, _ = read_windows(tmp_path / "windows.h5")
     shard = tokens.size * 256 * 6
     run = setup(tmp_path / "student.cmf", tmp_path / "windows.h5", [tmp_path / "topk.0.h5"],
-                load(TrainSettings, epochs=2, batch=8, eval_every=3, state_every=0, state_root=str(tmp_path / "state")))
+                load(TrainSettings, epochs=2, batch=8, eval_every=3, state_every=0, targets="topk", hidden_weight=0.0,
+                               state_root=str(tmp_path / "state")))
     tracemalloc.start()
     with run.lock:
         fit(run)
