@@ -103,7 +103,7 @@ def test_corrupt_hdf5_windows_and_topk(tiny_stages, tmp_path, capsys, how):
     out, metrics = tmp_path / "trained.cmf", tmp_path / "metrics.jsonl"
     bad = corrupt(tiny_stages / "windows.h5", tmp_path / "windows.h5", how)
     args = ["--student", tiny_stages / "student.cmf", "--topk", tiny_stages / "topk.0.h5", "--out", out,
-            "--metrics", metrics, "--settings", json.dumps({"state_root": str(tmp_path / "state")})]
+            "--metrics", metrics, "--settings", json.dumps({**TOPK, "state_root": str(tmp_path / "state")})]
     fails_cleanly(train_student.cli, ["--windows", bad, *args], capsys, str(bad), "not a readable windows.h5", [out, metrics])
     bad_topk = corrupt(tiny_stages / "topk.0.h5", tmp_path / "topk.0.h5", how)
     args[3] = bad_topk
@@ -160,6 +160,8 @@ def schema_leaves(node: dict, path: tuple = ()):
 
 
 SCHEMA_DOC = yaml.safe_load(SCHEMA.read_text())
+# train_student on the cached top-k files these tests corrupt (the schema's default is the live teacher)
+TOPK = {"targets": "topk", "hidden_weight": 0.0}
 DEFAULT_CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
 
 
@@ -290,7 +292,7 @@ def test_too_little_memory_is_one_line_naming_the_size(stage_inputs, tmp_path, c
     out = tmp_path / "trained.cmf"
     d = stage_inputs
     fails_cleanly(train_student.cli, ["--student", d / "student.cmf", "--windows", d / "windows.h5", "--topk", d / "topk.0.h5",
-                                      "--out", out, "--metrics", tmp_path / "m.jsonl", "--settings", "{}"],
+                                      "--out", out, "--metrics", tmp_path / "m.jsonl", "--settings", json.dumps(TOPK)],
                   capsys, "out of memory", "Unable to allocate 38.0 GiB", [out])
 
 
@@ -366,7 +368,7 @@ def test_a_changed_or_foreign_intermediate_is_refused_before_training(tiny_stage
     topk = [files[n] for n in ("topk.0.h5", "topk.1.h5") if n in files]
     fails_cleanly(train_student.cli, ["--student", files["student.cmf"], "--windows", files["windows.h5"], "--topk", *topk,
                                       "--out", out, "--metrics", metrics,
-                                      "--settings", json.dumps({"state_root": str(tmp_path / "state")})],
+                                      "--settings", json.dumps({**TOPK, "state_root": str(tmp_path / "state")})],
                   capsys, str(files[culprit]), problem, [out, metrics])
 
 
@@ -417,7 +419,7 @@ def test_an_input_from_another_lineage_is_refused_by_the_stage_that_reads_it(tin
     if stage == "train_student":
         cli, argv = train_student.cli, ["--student", f["student.cmf"], "--windows", f["windows.h5"], "--topk", f["topk.0.h5"],
                                         "--out", out, "--metrics", tmp_path / "m.jsonl",
-                                        "--settings", json.dumps({"state_root": str(tmp_path / "state")})]
+                                        "--settings", json.dumps({**TOPK, "state_root": str(tmp_path / "state")})]
     elif stage == "budget_reencode":
         student = ["--student", f["student.cmf"]] if what == "student of another teacher" else []
         cli, argv = budget_reencode.cli, ["--teacher", f["teacher.cmf"], "--grams", f["grams.h5"], *student, "--out", out,

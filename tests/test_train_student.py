@@ -180,6 +180,7 @@ def test_two_processes_under_torchrun_match_one(stage_inputs):
     one = train(stage_inputs, "one-process", epochs=1, precision="fp32")  # float32: equal up to reduction order
     d = stage_inputs
     settings = {"epochs": 1, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2, "gpus": 2,
+                "targets": "topk", "hidden_weight": 0.0,
                 "precision": "fp32", "state_root": str(d / "state-two")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "nvg.train_student", "--student", str(d / "student.cmf"), "--windows", str(d / "windows.h5"),
@@ -215,7 +216,7 @@ def test_sigterm_to_torchrun_stops_both_processes_at_one_step_and_the_rerun_ends
 
     def torchrun(name):
         settings = {"epochs": 4, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 0, "gpus": 2,
-                    "precision": "fp32", "state_root": str(d / f"state-{name}")}
+                    "precision": "fp32", "targets": "topk", "hidden_weight": 0.0, "state_root": str(d / f"state-{name}")}
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                                  "-m", "nvg.train_student", "--student", str(d / "student.cmf"), "--windows", str(d / "windows.h5"),
                                  "--topk", str(d / "topk.0.h5"), "--out", str(d / f"{name}.cmf"), "--metrics",
