@@ -146,7 +146,7 @@ def train(d, name, **kw):
     from nvg.train_student import TrainSettings, main
 
     s = load(TrainSettings, **{"epochs": 2, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2,
-                               "targets": "topk", "hidden_weight": 0.0,
+                               **TOPK_TARGETS,
                          "state_root": str(d / f"state-{name}"), **kw})
     live = s.targets == "live"  # the live teacher is the tiny teacher's CMF copied beside the stage outputs
     margin = s.signs.enabled and s.signs.init == "margin"
@@ -180,6 +180,10 @@ def corrupt(src: Path, dst: Path, how: str) -> Path:
 
 # ── real Snakemake runs of the whole DAG on the tiny teacher ──
 
+# Training on the cached top-k, which the schema's default (the live teacher with the hidden-state loss) is not
+TOPK_TARGETS = {"targets": "topk", "hidden_weight": 0.0}
+
+
 def tiny_config(teacher: Path, corpus: Path) -> dict:
     return {
         "teacher": str(teacher),
@@ -193,7 +197,7 @@ def tiny_config(teacher: Path, corpus: Path) -> dict:
         "encode": {"bpw": 2.0, "iters": 2},
         "dtgma": {"keep": 0.5, "align": 8, "max_steps": 20, "eval_every": 5, "batch": 8},
         "reconstruct": {"steps": 3, "windows": 8, "batch": 4},
-        "train": {"epochs": 2, "batch": 8, "lr": 0.005, "eval_every": 4, "state_every": 4, "targets": "topk", "hidden_weight": 0.0},
+        "train": {"epochs": 2, "batch": 8, "lr": 0.005, "eval_every": 4, "state_every": 4, **TOPK_TARGETS},
         "evaluate": {"batch": 8, "ood": [str(corpus / "story.txt")], "ood_tokens": 256},
     }
 

@@ -25,7 +25,7 @@ from nvg.config import config_error
 from nvg.errors import NvgError
 from nvg.plan import parse_plan
 from nvg.sources import resolve_path
-from tests.conftest import REPO, corrupt, fails_cleanly, snakemake, tiny_config
+from tests.conftest import REPO, TOPK_TARGETS, corrupt, fails_cleanly, snakemake, tiny_config
 
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
 
@@ -103,7 +103,7 @@ def test_corrupt_hdf5_windows_and_topk(tiny_stages, tmp_path, capsys, how):
     out, metrics = tmp_path / "trained.cmf", tmp_path / "metrics.jsonl"
     bad = corrupt(tiny_stages / "windows.h5", tmp_path / "windows.h5", how)
     args = ["--student", tiny_stages / "student.cmf", "--topk", tiny_stages / "topk.0.h5", "--out", out,
-            "--metrics", metrics, "--settings", json.dumps({**TOPK, "state_root": str(tmp_path / "state")})]
+            "--metrics", metrics, "--settings", json.dumps({**TOPK_TARGETS, "state_root": str(tmp_path / "state")})]
     fails_cleanly(train_student.cli, ["--windows", bad, *args], capsys, str(bad), "not a readable windows.h5", [out, metrics])
     bad_topk = corrupt(tiny_stages / "topk.0.h5", tmp_path / "topk.0.h5", how)
     args[3] = bad_topk
@@ -160,8 +160,6 @@ def schema_leaves(node: dict, path: tuple = ()):
 
 
 SCHEMA_DOC = yaml.safe_load(SCHEMA.read_text())
-# train_student on the cached top-k files these tests corrupt (the schema's default is the live teacher)
-TOPK = {"targets": "topk", "hidden_weight": 0.0}
 DEFAULT_CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
 
 
@@ -292,7 +290,7 @@ def test_too_little_memory_is_one_line_naming_the_size(stage_inputs, tmp_path, c
     out = tmp_path / "trained.cmf"
     d = stage_inputs
     fails_cleanly(train_student.cli, ["--student", d / "student.cmf", "--windows", d / "windows.h5", "--topk", d / "topk.0.h5",
-                                      "--out", out, "--metrics", tmp_path / "m.jsonl", "--settings", json.dumps(TOPK)],
+                                      "--out", out, "--metrics", tmp_path / "m.jsonl", "--settings", json.dumps(TOPK_TARGETS)],
                   capsys, "out of memory", "Unable to allocate 38.0 GiB", [out])
 
 
@@ -368,7 +366,7 @@ def test_a_changed_or_foreign_intermediate_is_refused_before_training(tiny_stage
     topk = [files[n] for n in ("topk.0.h5", "topk.1.h5") if n in files]
     fails_cleanly(train_student.cli, ["--student", files["student.cmf"], "--windows", files["windows.h5"], "--topk", *topk,
                                       "--out", out, "--metrics", metrics,
-                                      "--settings", json.dumps({**TOPK, "state_root": str(tmp_path / "state")})],
+                                      "--settings", json.dumps({**TOPK_TARGETS, "state_root": str(tmp_path / "state")})],
                   capsys, str(files[culprit]), problem, [out, metrics])
 
 
@@ -419,7 +417,7 @@ def test_an_input_from_another_lineage_is_refused_by_the_stage_that_reads_it(tin
     if stage == "train_student":
         cli, argv = train_student.cli, ["--student", f["student.cmf"], "--windows", f["windows.h5"], "--topk", f["topk.0.h5"],
                                         "--out", out, "--metrics", tmp_path / "m.jsonl",
-                                        "--settings", json.dumps({**TOPK, "state_root": str(tmp_path / "state")})]
+                                        "--settings", json.dumps({**TOPK_TARGETS, "state_root": str(tmp_path / "state")})]
     elif stage == "budget_reencode":
         student = ["--student", f["student.cmf"]] if what == "student of another teacher" else []
         cli, argv = budget_reencode.cli, ["--teacher", f["teacher.cmf"], "--grams", f["grams.h5"], *student, "--out", out,

@@ -23,7 +23,7 @@ from nvg.errors import NvgError
 from nvg.model import BlrLinear
 from nvg.settings import load
 from nvg.sign_training import SignSettings, SignTrainer
-from tests.conftest import train
+from tests.conftest import TOPK_TARGETS, train
 
 SIGNS = {"enabled": True, "warm": 0}
 
@@ -412,7 +412,7 @@ def test_margin_initialised_signs_need_the_live_teacher():
     from nvg.train_student import TrainSettings
 
     with pytest.raises(NvgError, match=r"train.*signs\.init.*margin needs targets: live"):
-        load(TrainSettings, targets="topk", hidden_weight=0.0, signs={"enabled": True, "init": "margin"})
+        load(TrainSettings, **TOPK_TARGETS, signs={"enabled": True, "init": "margin"})
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "factored", "plain"])

@@ -14,7 +14,7 @@ from nvg.model import load_model
 from nvg.settings import load
 from nvg.distill import lr_shape, trainable
 from nvg.train_student import TrainSettings, main
-from tests.conftest import train
+from tests.conftest import TOPK_TARGETS, train
 
 
 def saved_counters(path) -> dict:
@@ -180,7 +180,7 @@ def test_two_processes_under_torchrun_match_one(stage_inputs):
     one = train(stage_inputs, "one-process", epochs=1, precision="fp32")  # float32: equal up to reduction order
     d = stage_inputs
     settings = {"epochs": 1, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 2, "gpus": 2,
-                "targets": "topk", "hidden_weight": 0.0,
+                **TOPK_TARGETS,
                 "precision": "fp32", "state_root": str(d / "state-two")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "nvg.train_student", "--student", str(d / "student.cmf"), "--windows", str(d / "windows.h5"),
@@ -216,7 +216,7 @@ def test_sigterm_to_torchrun_stops_both_processes_at_one_step_and_the_rerun_ends
 
     def torchrun(name):
         settings = {"epochs": 4, "batch": 8, "lr": 0.01, "eval_every": 3, "state_every": 0, "gpus": 2,
-                    "precision": "fp32", "targets": "topk", "hidden_weight": 0.0, "state_root": str(d / f"state-{name}")}
+                    "precision": "fp32", **TOPK_TARGETS, "state_root": str(d / f"state-{name}")}
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                                  "-m", "nvg.train_student", "--student", str(d / "student.cmf"), "--windows", str(d / "windows.h5"),
                                  "--topk", str(d / "topk.0.h5"), "--out", str(d / f"{name}.cmf"), "--metrics",
@@ -367,7 +367,7 @@ def test_a_non_finite_step_is_skipped_counted_and_logged(stage_inputs, monkeypat
         return loss * float("nan") if torch.is_grad_enabled() and 0 in rows else loss
 
     monkeypatch.setattr(Distiller, "loss", poisoned)
-    s = load(TrainSettings, epochs=2, batch=8, lr=0.01, eval_every=100, state_every=0, precision="fp16", targets="topk", hidden_weight=0.0,
+    s = load(TrainSettings, epochs=2, batch=8, lr=0.01, eval_every=100, state_every=0, precision="fp16", **TOPK_TARGETS,
              state_root=str(d / "state-nan"))
     main(d / "student.cmf", d / "windows.h5", [d / "topk.0.h5"], "tiny", d / "nan.cmf", d / "nan.jsonl", s)
     block = read_cmf(d / "nan.cmf").header["provenance"]["nvg_train"]
@@ -435,7 +435,7 @@ def test_training_memory_for_targets_stays_one_batch_on_a_shard_far_larger(tiny_
     tokens, _ = read_windows(tmp_path / "windows.h5")
     shard = tokens.size * 256 * 6
     run = setup(tmp_path / "student.cmf", tmp_path / "windows.h5", [tmp_path / "topk.0.h5"],
-                load(TrainSettings, epochs=2, batch=8, eval_every=3, state_every=0, targets="topk", hidden_weight=0.0,
+                load(TrainSettings, epochs=2, batch=8, eval_every=3, state_every=0, **TOPK_TARGETS,
                                state_root=str(tmp_path / "state")))
     tracemalloc.start()
     with run.lock:
