@@ -254,12 +254,14 @@ def profiled(fn, steps: int = 2) -> dict[str, str]:
     return {"gpu": ops.table(sort_by="cuda_time_total", row_limit=20), "host": ops.table(sort_by="self_cpu_time_total", row_limit=20)}
 
 
-def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tflops: float, profile: bool = False) -> dict:
+def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tflops: float, profile: bool = False,
+               only: list[str] | None = None) -> dict:
     """train_student's step in each training mode (docs/training.md) on a model of shape `cfg` (random
     weights, 1 bpw, P = 2), batch × WINDOW tokens, each beside the plain-transformers dense KD step: the
     cached top-64 (`targets: topk`), the live teacher (`targets: live`, full-vocabulary KL), the live teacher
-    with sign training (`signs.enabled`, the README's GPU recipe) and with a q2tp embedding and head. MFU:
-    model FLOPs (forward ×3) per second over the bf16 matmul rate measured in the same run."""
+    with sign training (`signs.enabled`), that with the per-layer hidden-state loss (`hidden_weight` 0.3: the
+    README's GPU recipe since session 36) and with a q2tp embedding and head. `only`: those modes alone (the
+    dense step always). MFU: model FLOPs (forward ×3) per second over the bf16 matmul rate measured in the same run."""
     torch.manual_seed(0)
     big = hf_model(cfg, None)
     dense = {n: p.detach().float().cpu() for n, p in big.state_dict().items() if n != "lm_head.weight"}
@@ -282,26 +284,35 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     # signs: the sign settings over the schema's defaults (None: scales only); grad_clip 2 is the GPU recipe's.
     # The last sign row runs the factored sign step as tensor ops (what it was before nvg/fused_sign_step.py), beside
     # the fused Triton passes that CUDA runs: the kernels' gain, measured in one run.
-    modes = {"topk (scales)": (topk, None, None, False), "live (scales)": (live, teacher, None, False),
-             "live + signs": (live, teacher, {}, False), "live + signs, grad_clip 2": (live, teacher, {"grad_clip": 2.0}, False),
-             "live + signs, grad_clip 2, tensor-op sign step": (live, teacher, {"grad_clip": 2.0}, False),
-             "live, q2tp embedding": (live, teacher, None, True)}
+    # (targets, teacher, sign settings, q2tp embedding, hidden_weight)
+    modes = {"topk (scales)": (topk, None, None, False, 0.0), "live (scales)": (live, teacher, None, False, 0.0),
+             "live + signs": (live, teacher, {}, False, 0.0),
+             "live + signs, grad_clip 2": (live, teacher, {"grad_clip": 2.0}, False, 0.0),
+             "live + signs, grad_clip 2, hidden 0.3": (live, teacher, {"grad_clip": 2.0}, False, 0.3),
+             "live + signs, grad_clip 2, tensor-op sign step": (live, teacher, {"grad_clip": 2.0}, False, 0.0),
+             "live, q2tp embedding": (live, teacher, None, True, 0.0)}
+    unknown = set(only or ()) - set(modes)
+    if unknown:
+        raise SystemExit(f"--only: no mode {sorted(unknown)}; the modes are {list(modes)}")
     paired = {}  # the two grad_clip 2 sign rows, timed again window by window in turn: the fused step's gain
     held = 0  # bytes the paired rows keep while the rows after them run: left out of those rows' peaks
-    for name, (targets, t, signs, q2tp) in modes.items():
+    for name, (targets, t, signs, q2tp, hidden_weight) in modes.items():
+        if only and name not in only:
+            continue
         before = torch.cuda.memory_allocated()
         # fused_sign_step.triton None: latent_step keeps to its tensor ops
         fused_sign_step.triton = None if name.endswith("tensor-op sign step") else triton
         student = blr_student(cfg, dense, 1.0)
         student = compile_blocks((q2tp_embedding(student) if q2tp else student).cuda())
         sfpt = blr_flops_per_token(student) + attention_flops(cfg)
-        d = Distiller(student, targets, torch.device("cuda"), batch=batch, precision="bf16", recompute_every=1, teacher=t)
+        d = Distiller(student, targets, torch.device("cuda"), batch=batch, precision="bf16", recompute_every=1, teacher=t,
+                      hidden_weight=hidden_weight)
         if signs is not None:
             d.modes.append(SignTrainer(d.model.blr_linears(), load(SignSettings, enabled=True, **signs), 1000, Group()))
         opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
         step = functools.partial(d.step, list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0)
         row = measure(step, batch * WINDOW, 3 * sfpt, iters, windows, held)  # the live teacher's forward: not in the FLOPs
-        if "grad_clip 2" in name:
+        if name.startswith("live + signs, grad_clip 2") and "hidden" not in name:
             paired[name] = step, fused_sign_step.triton
         if "tok_s" in row:
             row["MFU"] = round(row["TFLOP_s"] / matmul_tflops, 3)
@@ -313,7 +324,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         d = opt = student = step = None
         if name in paired:
             held += torch.cuda.memory_allocated() - before
-    if all("tok_s" in rows[name] for name in paired):
+    if len(paired) == 2 and all("tok_s" in rows[name] for name in paired):
         seconds = interleaved({name: step for name, (step, _) in paired.items()},
                               {name: functools.partial(setattr, fused_sign_step, "triton", kernels)
                                for name, (_, kernels) in paired.items()}, iters, windows)
@@ -335,6 +346,7 @@ def main():
                     help="with --modes: the model shapes (random weights)")
     ap.add_argument("--batch", type=int, nargs="+", default=[16], help="with --modes: windows a step, one per shape")
     ap.add_argument("--profile", action="store_true", help="with --modes: each mode's profile of two steps")
+    ap.add_argument("--only", nargs="+", help="with --modes: these modes alone (by name), beside the dense step")
     a = ap.parse_args()
     if a.modes and len(a.batch) != len(a.shapes):
         ap.error("--batch takes one value per --shapes")
@@ -345,7 +357,8 @@ def main():
     m = None
     if a.modes:
         shapes = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.2-1B-shaped": LLAMA_1B}
-        out["step"] = {name: step_modes(shapes[name], batch, a.iters, a.windows, out["bf16_matmul_TFLOP_s"], a.profile)
+        out["step"] = {name: step_modes(shapes[name], batch, a.iters, a.windows, out["bf16_matmul_TFLOP_s"], a.profile,
+                                           a.only)
                        for name, batch in zip(a.shapes, a.batch)}
         print(json.dumps(out, indent=1))
         with open(a.out, "w") as f:
