@@ -305,8 +305,10 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         student = blr_student(cfg, dense, 1.0)
         student = compile_blocks((q2tp_embedding(student) if q2tp else student).cuda())
         sfpt = blr_flops_per_token(student) + attention_flops(cfg)
+        # teacher_memo_bytes 0: the live teacher runs every step, as for the pipeline's thousands of windows (the
+        # bench's 16 would otherwise be kept after the first step: session 37's rows without the hidden loss were)
         d = Distiller(student, targets, torch.device("cuda"), batch=batch, precision="bf16", recompute_every=1, teacher=t,
-                      hidden_weight=hidden_weight)
+                      hidden_weight=hidden_weight, teacher_memo_bytes=0)
         if signs is not None:
             d.modes.append(SignTrainer(d.model.blr_linears(), load(SignSettings, enabled=True, **signs), 1000, Group()))
         opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)

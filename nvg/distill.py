@@ -111,11 +111,11 @@ class Distiller:
 
     def __init__(self, model, targets: Targets, device, *, batch: int, precision: str, tail: bool = False,
                  recompute_every: int = 0, group: Group = Group(), teacher=None, hidden_weight: float = 0.0,
-                 train_group_scales: bool = True):
+                 train_group_scales: bool = True, teacher_memo_bytes: int = TEACHER_MEMO_BYTES):
         self.model, self.targets, self.device, self.group = model, targets, device, group
         self.batch_size, self.precision, self.tail = batch, precision, tail
         self.teacher, self.hidden_weight = teacher, hidden_weight  # a live teacher: see the module docstring
-        self._teacher_memo = {} if teacher is not None and self._teacher_bytes() <= TEACHER_MEMO_BYTES else None
+        self._teacher_memo = {} if teacher is not None and self._teacher_bytes() <= teacher_memo_bytes else None
         self.params = trainable(model, train_group_scales)
         # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
         self.recompute_every = recompute_every if device.type == "cuda" else 0
@@ -157,7 +157,7 @@ class Distiller:
     def _teacher(self, rows, ids) -> list[torch.Tensor]:
         """The live teacher's residual stream for `rows` (every block's output, [b, t, hidden] each) with a
         hidden-state loss, else its final-normed hidden states alone (a list of one). Kept per window when
-        every window's fit in TEACHER_MEMO_BYTES (the CPU default job's do): the teacher is frozen, so each
+        every window's fit in `teacher_memo_bytes` (the CPU default job's do): the teacher is frozen, so each
         epoch after the first reads them instead of running it again (0.29 s of a 1.7 s live step on a 2-core
         CPU in bf16, more in float32). The GPU recipe's thousands of windows do not fit, and run the teacher
         every step."""

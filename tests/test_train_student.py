@@ -254,9 +254,8 @@ def test_a_live_teacher_gives_full_vocabulary_and_hidden_state_targets(stage_inp
 
 @pytest.mark.parametrize("hidden_weight", [0.0, 0.5])
 def test_a_live_teachers_outputs_are_kept_per_window_and_read_back_exactly(stage_inputs, monkeypatch, hidden_weight):
-    """The teacher runs once per window while its outputs fit in TEACHER_MEMO_BYTES; a later batch, in any
+    """The teacher runs once per window while its outputs fit in `teacher_memo_bytes`; a later batch, in any
     order or mix of windows, gets the loss a teacher run anew gives."""
-    from nvg import distill
     from nvg.distill import Distiller, Targets
 
     teacher, student = load_model(stage_inputs / "teacher.cmf"), load_model(stage_inputs / "student.cmf")
@@ -266,9 +265,8 @@ def test_a_live_teachers_outputs_are_kept_per_window_and_read_back_exactly(stage
     monkeypatch.setattr(teacher, "residuals", lambda ids, *a: runs.append(ids.shape[0]) or residuals(ids, *a))
     kept = Distiller(student, targets, torch.device("cpu"), batch=2, precision="fp32", teacher=teacher,
                      hidden_weight=hidden_weight)
-    monkeypatch.setattr(distill, "TEACHER_MEMO_BYTES", 0)
     anew = Distiller(student, targets, torch.device("cpu"), batch=2, precision="fp32", teacher=teacher,
-                     hidden_weight=hidden_weight)
+                     hidden_weight=hidden_weight, teacher_memo_bytes=0)
     assert kept._teacher_memo == {} and anew._teacher_memo is None
     for rows, teacher_runs, grad in (([0, 1], 1, True), ([1, 2], 1, True), ([2, 0], 0, True), ([1, 0], 0, False)):
         before = len(runs)
