@@ -11,8 +11,9 @@ from tokenizers import Tokenizer
 from nvg.cmf import read_cmf
 from nvg.errors import NvgError
 from nvg.artifacts import read_windows
-from nvg.sources import split_budget
-from nvg.tokenize_windows import WindowSettings, main
+from nvg.sources import source_tokens, split_budget
+from nvg.tokenize_windows import WindowSettings, main, source_windows
+from nvg.tokenizer import cmf_tokenizer
 from nvg.settings import load
 
 
@@ -58,6 +59,26 @@ def test_folder_json_pairs_and_pkg_sources(tiny_cmf, tiny_corpus, tmp_path):
     assert len(docs) == 256 // 32 + 4 and not np.array_equal(docs[:4], pkg[:4])
 
 
+def test_a_source_longer_than_its_share_gives_a_seeded_draw_of_windows_from_across_it(tiny_cmf, tiny_corpus):
+    """Not its first pages: a share of a folder of manuals once went to the first manual alone (session 37)."""
+    tok = cmf_tokenizer(read_cmf(tiny_cmf), tiny_cmf, "tokenize with")
+    story = str(tiny_corpus / "story.txt")
+    ids = source_tokens(story, 10**9, tok, None)
+    every = ids[: len(ids) // 32 * 32].reshape(-1, 32)
+    assert len(every) > 40  # the draw below has many more windows than it keeps to choose from
+
+    def rows(drawn):
+        return [next(i for i, w in enumerate(every) if np.array_equal(w, d)) for d in drawn]
+
+    drawn = rows(source_windows(story, 4 * 32, 32, tok, None, None, np.random.default_rng(7)))
+    assert len(drawn) == 4 and drawn == sorted(drawn) and drawn != [0, 1, 2, 3] and max(drawn) >= len(every) // 2
+    assert drawn == rows(source_windows(story, 4 * 32, 32, tok, None, None, np.random.default_rng(7)))
+    assert drawn != rows(source_windows(story, 4 * 32, 32, tok, None, None, np.random.default_rng(8)))
+    # a source within its share gives every window, in order
+    whole = source_windows(story, len(ids) + 100, 32, tok, None, None, np.random.default_rng(7))
+    np.testing.assert_array_equal(whole, every)
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"sources": [{"path": "/nonexistent/file.txt"}]}, "calibration source not found"),
     ({"sources": [{"path": "EMPTY"}]}, "not one 32-token window"),
@@ -101,7 +122,7 @@ def test_chat_records_render_through_the_tokenizers_own_template_with_bos_and_eo
     assert render([{"role": "user", "content": "hi"}]) == "<|im_start|>user: hi<|im_end|>"
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "the cat sat " * 40}]}) + "\n")
     main(tmp_path / "llama3.cmf", tmp_path / "w.h5", load(WindowSettings, sources=[{"path": str(tmp_path / "chat.jsonl")}],
-                                                           tokens=64, window=32, eval_windows=1))
+                                                           tokens=256, window=32, eval_windows=1))
     tokens, _ = read_windows(tmp_path / "w.h5")
     bos = Tokenizer.from_str(cmf.vocab.decode("utf-8")).token_to_id("<|im_start|>")
     assert bos in tokens  # the special token's own id, not its characters
