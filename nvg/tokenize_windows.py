@@ -3,9 +3,8 @@
 Every source (`nvg/sources.py`: files, folders, globs, `pkg:` paths, `python-docs`) is tokenized with
 the teacher's own tokenizer (from its CMF vocab section); the budget `tokens + eval_windows · window`
 is split over the sources by weight; each source is cut into `window`-token windows, and a source with
-more than its share gives a seeded draw of windows from across it (up to SOURCE_READ_FACTOR × its share, and
-at least SOURCE_READ_MIN tokens, is read), not its first pages; all windows are shuffled with a seeded generator and the last `eval_windows`
-are held out.
+more than its share gives a seeded draw of windows from across it, not its first pages; all windows are
+shuffled with a seeded generator and the last `eval_windows` are held out.
 
     python -m nvg.tokenize_windows --teacher results/teacher.cmf --out results/data/windows.h5 --settings JSON
 """
@@ -45,8 +44,8 @@ class WindowSettings:
 # A real source is read up to SOURCE_READ_FACTOR times its share of tokens, and at least SOURCE_READ_MIN tokens
 # (a few seconds of tokenizing), and its windows are drawn from all of that. Taken from its start, a small share
 # went to the first file alone: in session 37 a 30 % share of the CPU job (17 windows) from ten GNU manuals was the
-# first pages of one, and the same share drawn from across all ten gave a student 26-42 % closer on both unseen
-# texts (docs/quality.md). The bounds keep a huge source from being read whole.
+# first pages of one, which helped or hurt by which one it was; drawn from across them, the share brought
+# python-docs 33-42 % closer on two seeds (docs/quality.md). The bounds keep a huge source from being read whole.
 SOURCE_READ_FACTOR = 64
 SOURCE_READ_MIN = 1 << 21
 
@@ -54,10 +53,10 @@ SOURCE_READ_MIN = 1 << 21
 def source_windows(spec: str, budget: int, window: int, tokenizer, render_chat, generated: np.ndarray | None,
                    rng: np.random.Generator) -> np.ndarray:
     """Up to `budget` tokens of one source as [n, window] windows. A real source's windows are a draw (`rng`)
-    from across the first max(SOURCE_READ_FACTOR × `budget`, SOURCE_READ_MIN) of its tokens, kept in their order. Generated sequences
-    (already independent draws) at least a window long are cut one by one (a window never spans two of them);
-    shorter ones are packed end to end, several to a window, as pretraining packs documents (each still starts
-    from its own first token)."""
+    from across the first max(SOURCE_READ_FACTOR × `budget`, SOURCE_READ_MIN) of its tokens, kept in their
+    order. Generated sequences (already independent draws) at least a window long are cut one by one (a window
+    never spans two of them); shorter ones are packed end to end, several to a window, as pretraining packs
+    documents (each still starts from its own first token)."""
     if spec != GENERATED:
         ids = source_tokens(spec, max(SOURCE_READ_FACTOR * budget, SOURCE_READ_MIN), tokenizer, render_chat)
         n = len(ids) // window
