@@ -1,7 +1,7 @@
 """Text sources: where calibration and evaluation text comes from, and how it becomes token ids.
 
-A source is a file or folder (.txt .md .rst; .jsonl with `text` or chat `messages`; .json arrays of
-[prompt, text] pairs), a glob, `pkg:<module>/<path>` inside an installed package (found without
+A source is a file or folder (.txt .md .rst and Texinfo's .info; .jsonl with `text` or chat `messages`; .json
+arrays of [prompt, text] pairs; any of them gzipped, as `/usr/share/info/*.gz` is), a glob, `pkg:<module>/<path>` inside an installed package (found without
 importing it), or `python-docs` (the Python language reference shipped with CPython). The source
 `generated` is the teacher's own text (stage generate_corpus), read by tokenize_windows as token ids. Chat messages
 are rendered with the teacher's own template, so special tokens get their real ids."""
@@ -9,8 +9,10 @@ are rendered with the teacher's own template, so special tokens get their real i
 from __future__ import annotations
 
 import glob
+import gzip
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ import numpy as np
 from nvg.errors import NvgError
 from nvg.tokenizer import hf_tokenizer
 
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".jsonl", ".json"}
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".jsonl", ".json", ".info"}
 PYTHON_DOCS = "python-docs"
 GENERATED = "generated"  # the teacher's own text: token ids from stage generate_corpus, not a file
 
@@ -50,26 +52,40 @@ class ChatRenderer:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def text_kind(path: Path) -> str:
+    """The suffix that says how to read a file: its own, or the one under `.gz`; a Texinfo part (`.info-2`) is `.info`."""
+    suffix = Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
+    return re.sub(r"^\.info-\d+$", ".info", suffix)
+
+
 def source_files(spec: str) -> list[Path]:
     path = resolve_path(spec)
     if any(c in str(path) for c in "*?["):
         files = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and text_kind(p) in TEXT_SUFFIXES)
     elif path.exists():
         files = [path]
     else:
         raise NvgError(f"{spec}: calibration source not found")
-    files = [f for f in files if f.suffix in TEXT_SUFFIXES or f.suffix == ""]
+    files = [f for f in files if text_kind(f) in TEXT_SUFFIXES or text_kind(f) == ""]
     if not files:
-        raise NvgError(f"{spec}: no .txt/.md/.rst/.jsonl/.json files in this source")
+        raise NvgError(f"{spec}: no .txt/.md/.rst/.info/.jsonl/.json files (or .gz of them) in this source")
     return files
 
 
 def file_texts(path: Path, render_chat: ChatRenderer):
     """Yield the documents of one file as strings."""
-    raw = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".jsonl":
+    if path.suffix == ".gz":
+        try:
+            with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+                raw = f.read()
+        except (OSError, EOFError) as e:
+            raise NvgError(f"{path}: not a readable gzip file: {e}") from None
+    else:
+        raw = path.read_text(encoding="utf-8", errors="replace")
+    kind = text_kind(path)
+    if kind == ".jsonl":
         for n, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
                 continue
@@ -86,7 +102,7 @@ def file_texts(path: Path, render_chat: ChatRenderer):
                 yield render_chat(rec["messages"])
             else:
                 raise NvgError(f"{path}: line {n}: needs a 'text' string or a 'messages' list")
-    elif path.suffix == ".json":
+    elif kind == ".json":
         try:
             items = json.loads(raw)
         except ValueError as e:

@@ -37,8 +37,11 @@ def test_the_teacher_against_itself_and_the_student_against_the_teacher(evaluate
         assert scores["tokens"] == 256 or scores is evaluated["heldout"]
     assert evaluated["heldout"]["tokens"] == 8 * 32
     for scores in sets:  # the teacher's mass beyond its top-8, which top-k distillation never shows
-        assert scores["teacher"]["kl_topk"] < scores["encoded"]["kl_topk"]
-        assert scores["teacher_mass_outside_topk"]["k"] == 8 and 0 < scores["teacher_mass_outside_topk"]["mean"] < 1
+        outside = scores["teacher_mass_outside_topk"]
+        assert outside["k"] == 8 and 0 < outside["mean"] < 1
+        # against its own renormalised top-8 the teacher's KL is the mean of −log(mass inside), and −log m ≥ 1 − m
+        # (not the encoded student's KL, which a tiny random student can undercut: session 37's windows did)
+        assert scores["teacher"]["kl_topk"] >= outside["mean"] and scores["encoded"]["kl_topk"] > 0
     assert 0 < evaluated["files"]["encoded"]["body_bpw"] <= 2.0 < evaluated["files"]["teacher"]["body_bpw"]
 
 

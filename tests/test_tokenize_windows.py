@@ -59,6 +59,27 @@ def test_folder_json_pairs_and_pkg_sources(tiny_cmf, tiny_corpus, tmp_path):
     assert len(docs) == 256 // 32 + 4 and not np.array_equal(docs[:4], pkg[:4])
 
 
+def test_gzipped_and_texinfo_sources_read_as_their_plain_text(tiny_cmf, tiny_corpus, tmp_path):
+    """`/usr/share/info/*.gz` as a source: gzip is undone, a Texinfo part (`.info-2`) is text, a gzipped .jsonl is
+    still parsed, an archive (`.tar.gz`) is not text, and a broken gzip file is one clear error."""
+    import gzip
+
+    tok = cmf_tokenizer(read_cmf(tiny_cmf), tiny_cmf, "tokenize with")
+    story = (tiny_corpus / "story.txt").read_text()
+    folder = tmp_path / "info"
+    folder.mkdir()
+    (folder / "story.info-2.gz").write_bytes(gzip.compress(story.encode()))
+    (folder / "records.jsonl.gz").write_bytes(gzip.compress((json.dumps({"text": "a record"}) + "\n").encode()))
+    (folder / "archive.tar.gz").write_bytes(gzip.compress(b"\0" * 512))
+    plain = [*tok.encode("a record\n").ids, *source_tokens(str(tiny_corpus / "story.txt"), 10**9, tok, None)]
+    got = source_tokens(str(folder / "*.gz"), 10**9, tok, None)  # a glob: records.jsonl.gz, then story.info-2.gz
+    np.testing.assert_array_equal(got, plain)
+    np.testing.assert_array_equal(source_tokens(str(folder), 10**9, tok, None), plain)  # a folder: the same two
+    (folder / "broken.txt.gz").write_bytes(b"not gzip")
+    with pytest.raises(NvgError, match="broken.txt.gz: not a readable gzip file"):
+        source_tokens(str(folder / "broken.txt.gz"), 10**9, tok, None)
+
+
 def test_a_source_longer_than_its_share_gives_a_seeded_draw_of_windows_from_across_it(tiny_cmf, tiny_corpus):
     """Not its first pages: a share of a folder of manuals once went to the first manual alone (session 37)."""
     tok = cmf_tokenizer(read_cmf(tiny_cmf), tiny_cmf, "tokenize with")
