@@ -294,7 +294,10 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     unknown = set(only or ()) - set(modes)
     if unknown:
         raise SystemExit(f"--only: no mode {sorted(unknown)}; the modes are {list(modes)}")
-    paired = {}  # the two grad_clip 2 sign rows, timed again window by window in turn: the fused step's gain
+    # the two grad_clip 2 sign rows (fused and tensor-op step), timed again window by window in turn: the fused
+    # step's gain
+    pair = ("live + signs, grad_clip 2", "live + signs, grad_clip 2, tensor-op sign step")
+    paired = {}
     held = 0  # bytes the paired rows keep while the rows after them run: left out of those rows' peaks
     for name, (targets, t, signs, q2tp, hidden_weight) in modes.items():
         if only and name not in only:
@@ -314,7 +317,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
         step = functools.partial(d.step, list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0)
         row = measure(step, batch * WINDOW, 3 * sfpt, iters, windows, held)  # the live teacher's forward: not in the FLOPs
-        if name.startswith("live + signs, grad_clip 2") and "hidden" not in name:
+        if name in pair:
             paired[name] = step, fused_sign_step.triton
         if "tok_s" in row:
             row["MFU"] = round(row["TFLOP_s"] / matmul_tflops, 3)

@@ -1,8 +1,9 @@
 """Text sources: where calibration and evaluation text comes from, and how it becomes token ids.
 
 A source is a file or folder (.txt .md .rst and Texinfo's .info; .jsonl with `text` or chat `messages`; .json
-arrays of [prompt, text] pairs; any of them gzipped, as `/usr/share/info/*.gz` is), a glob, `pkg:<module>/<path>` inside an installed package (found without
-importing it), or `python-docs` (the Python language reference shipped with CPython). The source
+arrays of [prompt, text] pairs; any of them gzipped, as `/usr/share/info/*.gz` is), a glob,
+`pkg:<module>/<path>` inside an installed package (found without importing it), or `python-docs` (the
+Python language reference shipped with CPython). The source
 `generated` is the teacher's own text (stage generate_corpus), read by tokenize_windows as token ids. Chat messages
 are rendered with the teacher's own template, so special tokens get their real ids."""
 
@@ -53,7 +54,8 @@ class ChatRenderer:
 
 
 def text_kind(path: Path) -> str:
-    """The suffix that says how to read a file: its own, or the one under `.gz`; a Texinfo part (`.info-2`) is `.info`."""
+    """The suffix that says how to read a file: its own, or the one under `.gz`; a Texinfo part (`.info-2`)
+    is `.info`."""
     suffix = Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
     return re.sub(r"^\.info-\d+$", ".info", suffix)
 
@@ -68,7 +70,7 @@ def source_files(spec: str) -> list[Path]:
         files = [path]
     else:
         raise NvgError(f"{spec}: calibration source not found")
-    files = [f for f in files if text_kind(f) in TEXT_SUFFIXES or text_kind(f) == ""]
+    files = [f for f in files if text_kind(f) in TEXT_SUFFIXES | {""}]
     if not files:
         raise NvgError(f"{spec}: no .txt/.md/.rst/.info/.jsonl/.json files (or .gz of them) in this source")
     return files
