@@ -56,11 +56,29 @@ def read_windows(path, vocab: int | None = None) -> tuple[np.ndarray, dict]:
     return tokens, attrs
 
 
-def write_windows(out, tokens: np.ndarray, attrs: dict) -> None:
+def write_windows(out, tokens: np.ndarray, origin: np.ndarray, attrs: dict) -> None:
+    """`tokens` [N, window] int32 and `origin` [N] (each window's index in `attrs["sources"]`), each with its
+    content hash among the attributes."""
     with atomic_path(out) as tmp:
         with h5py.File(tmp, "w") as f:
             f.create_dataset("tokens", data=tokens, chunks=(1, tokens.shape[1]))
-            f.attrs.update(attrs)
+            f.create_dataset("origin", data=origin)
+            f.attrs.update({**attrs, "tokens_blake2b": content_hash(tokens), "origin_blake2b": content_hash(origin)})
+
+
+def read_window_origins(path, n_windows: int, n_sources: int) -> np.ndarray:
+    """Each window's source (an index into the windows' `sources` attribute), checked against its content
+    hash, its length and the number of sources."""
+    try:
+        with h5py.File(path, "r") as f:
+            origin, digest = f["origin"][...], f.attrs.get("origin_blake2b")
+    except (OSError, KeyError) as e:
+        raise NvgError(f"{path}: no readable origin dataset ({e}; written by an older nvg: rerun tokenize_windows)") from None
+    if content_hash(origin) != digest:
+        raise NvgError(f"{path}: origin does not match its origin_blake2b (the file changed after tokenize_windows wrote it)")
+    if origin.shape != (n_windows,) or (origin.size and (origin.min() < 0 or origin.max() >= n_sources)):
+        raise NvgError(f"{path}: origin must give each of the {n_windows} windows one of its {n_sources} sources")
+    return origin
 
 
 # ── topk.{shard}.h5 ─────────────────────────────────────────────────────────────────────────────────

@@ -1,7 +1,8 @@
 """Stage `evaluate`: teacher, encoded student, reconstructed student (when reconstruct_blocks runs) and
 final student, side by side → `eval.json`.
 
-On the held-out windows and on every out-of-domain source in `ood`: perplexity and its ratio to the
+On the held-out windows (all of them, and those of each calibration source apart when there are several: a
+real source mixed in makes the held-out windows a mix too) and on every out-of-domain source in `ood`: perplexity and its ratio to the
 teacher's, KL to the teacher over the full vocabulary and over its top-k (what top-k distillation
 matches; the teacher's top-k taken here, so that a run training against the live teacher needs no
 teacher_topk stage), the teacher's probability mass outside that top-k, top-1 agreement with the teacher;
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import check_encoded_from, read_windows
+from nvg.artifacts import check_encoded_from, read_window_origins, read_windows
 from nvg.atomic import write_json
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
@@ -116,6 +118,13 @@ def summary(st: ScoredSet, k: int) -> dict:
     return out
 
 
+def pooled(label: str, parts: list[ScoredSet]) -> ScoredSet:
+    """The sets scored apart as one: their windows and their sums (every score is a sum over tokens)."""
+    whole = ScoredSet(label, np.concatenate([p.windows for p in parts]), tail=sum(p.tail for p in parts))
+    whole.sums = {m: {key: sum(p.sums[m][key] for p in parts) for key in parts[0].sums[m]} for m in parts[0].sums}
+    return whole
+
+
 def stage_seconds(paths: list[Path]) -> dict:
     """Wall time of each stage from Snakemake's benchmark TSVs (`s` column), evaluate's own left out: its
     file, when there is one, is an earlier run's (Snakemake writes this run's after it ends)."""
@@ -147,7 +156,11 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, k: int, out: 
                        "its held-out rows may be ones it trained on")
     device = pick_device(settings.device)
     print(f"evaluate: {computing_in(device, 'evaluate.precision', settings.precision)}", file=sys.stderr)
-    sets = [ScoredSet("held-out", tokens[n_train:])]
+    sources = [src["path"] for src in json.loads(attrs["sources"])]
+    origin = read_window_origins(windows, len(tokens), len(sources))[n_train:]
+    held_out = {src: ScoredSet(f"held-out {src}", tokens[n_train:][origin == i]) for i, src in enumerate(sources)
+                if (origin == i).any()}
+    sets = list(held_out.values())
     if settings.ood:
         tok = cmf_tokenizer(cmfs["teacher"], teacher, "tokenize evaluate.ood with")
         window = tokens.shape[1]
@@ -166,9 +179,11 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, k: int, out: 
         student = compile_blocks(load_model(cmfs[name], device))
         student_pass(name, student, t_head, sets, settings, device)
         del student
-    report = {"heldout": summary(sets[0], k)}
+    report = {"heldout": summary(pooled("held-out", list(held_out.values())), k)}
+    if len(sources) > 1:
+        report["heldout_by_source"] = {src: summary(st, k) for src, st in held_out.items()}
     if settings.ood:
-        report["ood"] = {st.label: summary(st, k) for st in sets[1:]}
+        report["ood"] = {st.label: summary(st, k) for st in sets[len(held_out):]}
     report["files"] = {n: {"path": str(c.path), "bytes": c.path.stat().st_size, **bits_summary(c)} for n, c in cmfs.items()}
     report["training_tokens"] = cmfs["final"].header.get("provenance", {}).get("nvg_train", {}).get("tokens")
     report["stage_seconds"] = stage_seconds(benchmarks)
@@ -178,6 +193,9 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, k: int, out: 
           + (f"reconstructed {h['reconstructed']['perplexity']:.2f}, " if reconstructed else "") + f"final {h['final']['perplexity']:.2f} ({h['final']['ppl_ratio']:.2f}× the teacher); KL(top-k) encoded "
           f"{h['encoded']['kl_topk']:.4f} → final {h['final']['kl_topk']:.4f}; body bpw {report['files']['final']['body_bpw']:.4f}",
           file=sys.stderr)
+    for source, r in report.get("heldout_by_source", {}).items():
+        print(f"evaluate: held out from {source}: ppl teacher {r['teacher']['perplexity']:.2f}, final "
+              f"{r['final']['perplexity']:.2f} ({r['final']['ppl_ratio']:.2f}× the teacher)", file=sys.stderr)
     for source, r in report.get("ood", {}).items():
         print(f"evaluate: out of domain {source}: ppl teacher {r['teacher']['perplexity']:.2f}, final "
               f"{r['final']['perplexity']:.2f} ({r['final']['ppl_ratio']:.2f}× the teacher)", file=sys.stderr)

@@ -147,7 +147,8 @@ def model_card(cmf, source: Path, evaluation: dict | None, packed: bool) -> str:
                      f"windows, targets {train.get('targets')}, held-out KL {train.get('heldout_kl_start', 0):.4f} → "
                      f"{train.get('heldout_kl_best', 0):.4f} |")
     if evaluation:
-        sets = {"held-out calibration text": evaluation["heldout"], **evaluation.get("ood", {})}
+        sets = {"held-out calibration text": evaluation["heldout"],
+                **{f"held-out {src}": r for src, r in evaluation.get("heldout_by_source", {}).items()}, **evaluation.get("ood", {})}
         lines += ["", "Perplexity against the teacher (`nvg evaluate`):", "",
                   "| text | teacher | this model | ratio |", "|---|---|---|---|"]
         lines += [f"| {name} | {s['teacher']['perplexity']:.2f} | {s['final']['perplexity']:.2f} | {s['final']['ppl_ratio']:.2f}× |"

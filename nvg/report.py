@@ -74,8 +74,10 @@ def per_layer_plot(tensors: dict, key: str, ylabel: str) -> str:
 
 
 def scored_sets(report: dict) -> list[tuple[str, dict]]:
-    """(label, scores) of the held-out windows and of every out-of-domain source."""
-    return [("held-out", report["heldout"])] + [(f"OOD {name}", r) for name, r in report.get("ood", {}).items()]
+    """(label, scores) of the held-out windows, of each calibration source's among them (when there are
+    several) and of every out-of-domain source."""
+    return ([("held-out", report["heldout"])] + [(f"held-out {src}", r) for src, r in report.get("heldout_by_source", {}).items()]
+            + [(f"OOD {name}", r) for name, r in report.get("ood", {}).items()])
 
 
 def scored_models(report: dict) -> list[str]:
@@ -114,10 +116,10 @@ def context(report: dict, encode: dict, metrics: list[dict], teacher: str) -> di
 
     models = scored_models(report)
     sets = [{"label": label, "tokens": r["tokens"], **{m: r[m]["perplexity"] for m in models}} for label, r in scored_sets(report)]
-    ood = [{"label": s["label"], "ratio": s["final"] / s["teacher"]} for s in sets[1:]]
+    ood = [{"label": s["label"], "ratio": s["final"] / s["teacher"]} for s in sets if s["label"].startswith("OOD ")]
     heldout_ratio = sets[0]["final"] / sets[0]["teacher"]
     worst = max(ood, key=lambda o: o["ratio"]) if ood else None
-    largest = max([heldout_ratio] + [o["ratio"] for o in ood])
+    largest = max(s["final"] / s["teacher"] for s in sets)
     limit, word, colour, meaning = next(v for v in VERDICTS if largest <= v[0])
     files, held = report["files"], report["heldout"]
     stages = sorted(report.get("stage_seconds", {}).items(), key=lambda kv: -kv[1])

@@ -1,10 +1,11 @@
-"""Stage `tokenize_windows`: calibration text → `windows.h5` (`tokens` int32 [N, window]).
+"""Stage `tokenize_windows`: calibration text → `windows.h5` (`tokens` int32 [N, window], `origin` [N]).
 
 Every source (`nvg/sources.py`: files, folders, globs, `pkg:` paths, `python-docs`) is tokenized with
 the teacher's own tokenizer (from its CMF vocab section); the budget `tokens + eval_windows · window`
 is split over the sources by weight; each source is cut into `window`-token windows, and a source with
 more than its share gives a seeded draw of windows from across it, not its first pages; all windows are
-shuffled with a seeded generator and the last `eval_windows` are held out.
+shuffled with a seeded generator and the last `eval_windows` are held out; each window's source is kept
+(`origin`), so that evaluate scores the held-out windows of each source apart.
 
     python -m nvg.tokenize_windows --teacher results/teacher.cmf --out results/data/windows.h5 --settings JSON
 """
@@ -20,7 +21,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import content_hash, model_hash, read_corpus, write_windows
+from nvg.artifacts import model_hash, read_corpus, write_windows
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
@@ -77,6 +78,10 @@ def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Pat
     max_pos = cmf.arch["max_position_embeddings"]
     if settings.window > max_pos:
         raise NvgError(f"config data.window: {settings.window} exceeds the teacher's max_position_embeddings {max_pos}")
+    paths = [src["path"] for src in settings.sources]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise NvgError(f"config data.sources: {twice[0]!r} is listed twice (give it one entry and one weight)")
     want = settings.tokens + settings.eval_windows * settings.window
     budgets = split_budget([float(s.get("weight", 1.0)) for s in settings.sources], want)
     corpus = read_corpus(list(generated), model_hash(cmf)) if generated else None
@@ -86,18 +91,19 @@ def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Pat
         if len(w) == 0:
             raise NvgError(f"{src['path']}: not one {settings.window}-token window in its {budget}-token share "
                            "(the source is too short, or its weight too small for data.tokens)")
+        if w.size < budget - settings.window:  # a short source is taken once, never repeated to fill its share
+            print(f"tokenize_windows: {src['path']}: all of it, {w.size} tokens, short of its {budget}-token share")
         windows.append(w)
     tokens = np.concatenate(windows)
+    origin = np.concatenate([np.full(len(w), i, np.int16) for i, w in enumerate(windows)])
     need = settings.eval_windows + 1
     if len(tokens) < need:
         raise NvgError(f"config data: too few windows: {len(tokens)} of {settings.window} tokens, need eval_windows + 1 = {need}")
     order = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(settings.seed)).numpy()
-    tokens = tokens[order]
-    write_windows(out, tokens, {
+    write_windows(out, tokens[order], origin[order], {
         "n_train": len(tokens) - settings.eval_windows, "n_eval": settings.eval_windows,
         "window": settings.window, "seed": settings.seed,
         "sources": json.dumps(settings.sources), "tokenizer_hash": hex16(hash64(cmf.vocab)),
-        "tokens_blake2b": content_hash(tokens),
     })
     print(f"tokenize_windows: {len(tokens)} windows of {settings.window} tokens ({settings.eval_windows} held out) → {out}")
 

@@ -63,6 +63,31 @@ def test_the_top_k_kl_is_the_one_against_teacher_topks_cached_top_k(evaluated, t
     assert evaluated["heldout"]["encoded"]["kl_topk"] == pytest.approx(float(kl) / tokens[rows].size, rel=1e-3)
 
 
+def test_a_mix_of_sources_is_scored_held_out_whole_and_per_source(tiny_stages, tiny_cmf, tiny_corpus, tmp_path):
+    """With a real source mixed in, the held-out windows are a mix: eval.json also scores each source's apart,
+    and the whole is the pool of the parts (every score a sum over tokens)."""
+    from nvg.settings import load
+    from nvg.tokenize_windows import WindowSettings, main as tokenize
+
+    story, chat = str(tiny_corpus / "story.txt"), str(tiny_corpus / "chat.jsonl")
+    tokenize(tiny_cmf, tmp_path / "mix.h5", load(WindowSettings, sources=[{"path": story}, {"path": chat}],
+                                                  tokens=1024, window=32, eval_windows=8, seed=3))
+    evaluate.main(tiny_cmf, tiny_stages / "student.cmf", tiny_stages / "student.cmf", tmp_path / "mix.h5",
+                  8, tmp_path / "eval.json", evaluate.load(evaluate.EvalSettings, batch=4, precision="fp32"), [])
+    report = json.loads((tmp_path / "eval.json").read_text())
+    parts = report["heldout_by_source"]
+    assert list(parts) == [story, chat] and report["heldout"]["tokens"] == 8 * 32
+    assert sum(p["tokens"] for p in parts.values()) == 8 * 32
+    for model in ("teacher", "encoded"):
+        nll = sum(math.log(p[model]["perplexity"]) * p["tokens"] * 31 / 32 for p in parts.values())
+        assert math.exp(nll / (8 * 31)) == pytest.approx(report["heldout"][model]["perplexity"], rel=1e-5)
+        assert parts[story][model]["perplexity"] != parts[chat][model]["perplexity"]
+    # one source: no per-source block (the held-out windows are that source's)
+    evaluate.main(tiny_cmf, tiny_stages / "student.cmf", tiny_stages / "student.cmf", tiny_stages / "windows.h5",
+                  8, tmp_path / "one.json", evaluate.load(evaluate.EvalSettings, batch=4), [])
+    assert "heldout_by_source" not in json.loads((tmp_path / "one.json").read_text())
+
+
 def test_stage_seconds_leave_out_an_earlier_evaluate(tmp_path):
     """A rerun finds the last run's benchmarks/evaluate.tsv (a sibling's, in a copied folder): not this run's time."""
     for stage, seconds in (("train_student", 12.5), ("evaluate", 99.0)):

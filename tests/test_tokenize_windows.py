@@ -40,6 +40,36 @@ def test_sources_weights_holdout_and_determinism(tiny_cmf, tiny_corpus, tmp_path
     assert 0 < windows_with_chat < len(tokens)
 
 
+def test_a_source_shorter_than_its_share_is_taken_once_and_said(tiny_cmf, tiny_corpus, tmp_path, capsys):
+    story = tiny_corpus / "story.txt"
+    (tmp_path / "short.txt").write_text(story.read_text()[:600])
+    tok = cmf_tokenizer(read_cmf(tiny_cmf), tiny_cmf, "tokenize with")
+    short = len(source_tokens(str(tmp_path / "short.txt"), 10**9, tok, None)) // 32
+    tokens, _ = run(tiny_cmf, tmp_path, sources=[{"path": str(story)}, {"path": str(tmp_path / "short.txt"), "weight": 3.0}])
+    assert len(tokens) == (1024 + 4 * 32) // 4 // 32 + short  # the story's quarter, and every short window once
+    assert f"short.txt: all of it, {short * 32} tokens, short of its 864-token share" in capsys.readouterr().out
+
+
+def test_each_window_keeps_its_source_through_the_shuffle(tiny_cmf, tiny_corpus, tmp_path):
+    """`origin` names each window's source, so that evaluate can score a mix's held-out windows apart."""
+    from nvg.artifacts import read_window_origins
+
+    story, chat = str(tiny_corpus / "story.txt"), str(tiny_corpus / "chat.jsonl")
+    tokens, attrs = run(tiny_cmf, tmp_path, sources=[{"path": story, "weight": 3.0}, {"path": chat, "weight": 1.0}])
+    origin = read_window_origins(tmp_path / "w.h5", len(tokens), 2)
+    tok = cmf_tokenizer(read_cmf(tiny_cmf), tiny_cmf, "tokenize with")
+    story_ids = source_tokens(story, 10**9, tok, None)
+    story_windows = {story_ids[i : i + 32].tobytes() for i in range(0, len(story_ids) - 31, 32)}
+    for row, src in zip(tokens, origin):
+        assert (row.astype(story_ids.dtype).tobytes() in story_windows) == (src == 0)
+    assert 0 < origin.mean() < 0.5  # both sources, the story three times the chat's share
+    with pytest.raises(NvgError, match="must give each of the"):
+        read_window_origins(tmp_path / "w.h5", len(tokens), 1)
+    with pytest.raises(NvgError, match="is listed twice"):
+        run(tiny_cmf, tmp_path, "twice.h5", sources=[{"path": story}, {"path": story, "weight": 2.0}])
+    assert not (tmp_path / "twice.h5").exists()
+
+
 def test_budget_split_follows_weights():
     assert split_budget([3.0, 1.0], 1000) == [750, 250]
     assert sum(split_budget([1.0, 1.0, 1.0], 1000)) == 1000
