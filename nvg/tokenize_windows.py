@@ -3,9 +3,11 @@
 Every source (`nvg/sources.py`: files, folders, globs, `pkg:` paths, `python-docs`) is tokenized with
 the teacher's own tokenizer (from its CMF vocab section); the budget `tokens + eval_windows · window`
 is split over the sources by weight; each source is cut into `window`-token windows, and a source with
-more than its share gives a seeded draw of windows from across it, not its first pages; all windows are
-shuffled with a seeded generator and the last `eval_windows` are held out; each window's source is kept
-(`origin`), so that evaluate scores the held-out windows of each source apart.
+more than its share gives a seeded draw of windows from across it, not its first pages, and one with less is
+taken whole; all windows are shuffled with a seeded generator and the last `eval_windows` are held out. Then
+a short source with `repeat` r > 1 has its training windows repeated, up to r times each, to fill its share
+(never its held-out ones). Each window's source is kept (`origin`), so that evaluate scores the held-out
+windows of each source apart.
 
     python -m nvg.tokenize_windows --teacher results/teacher.cmf --out results/data/windows.h5 --settings JSON
 """
@@ -72,6 +74,21 @@ def source_windows(spec: str, budget: int, window: int, tokenizer, render_chat, 
     return ids[: len(ids) // window * window].reshape(-1, window)[: budget // window]
 
 
+def repeated_rows(origin: np.ndarray, n_train: int, share_windows: list[int], repeat: list[int],
+                  rng: np.random.Generator) -> np.ndarray:
+    """Rows of training windows (the first `n_train` of `origin`) to add as copies: for each source with `repeat`
+    r > 1 that is short of its share, its training windows again, in a seeded order, until its windows fill the
+    share or each training window is there r times."""
+    extra = []
+    for i, (share, r) in enumerate(zip(share_windows, repeat)):
+        mine = np.flatnonzero(origin[:n_train] == i)
+        if r > 1 and len(mine):
+            want = min(share - int((origin == i).sum()), (r - 1) * len(mine))
+            cycle = np.concatenate([rng.permutation(mine) for _ in range(r - 1)])
+            extra.append(cycle[: max(want, 0)])
+    return np.concatenate(extra) if extra else np.zeros(0, np.int64)
+
+
 def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Path] = ()) -> None:
     cmf = read_verified(teacher)
     tokenizer = cmf_tokenizer(cmf, teacher, "tokenize with")
@@ -91,8 +108,9 @@ def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Pat
         if len(w) == 0:
             raise NvgError(f"{src['path']}: not one {settings.window}-token window in its {budget}-token share "
                            "(the source is too short, or its weight too small for data.tokens)")
-        if w.size < budget - settings.window:  # a short source is taken once, never repeated to fill its share
-            print(f"tokenize_windows: {src['path']}: all of it, {w.size} tokens, short of its {budget}-token share")
+        if w.size < budget - settings.window:
+            print(f"tokenize_windows: {src['path']}: all of it, {w.size} tokens, short of its {budget}-token share"
+                  + (f" (its training windows up to {src['repeat']} times)" if src.get("repeat", 1) > 1 else ""))
         windows.append(w)
     tokens = np.concatenate(windows)
     origin = np.concatenate([np.full(len(w), i, np.int16) for i, w in enumerate(windows)])
@@ -100,8 +118,16 @@ def main(teacher: Path, out: Path, settings: WindowSettings, generated: list[Pat
     if len(tokens) < need:
         raise NvgError(f"config data: too few windows: {len(tokens)} of {settings.window} tokens, need eval_windows + 1 = {need}")
     order = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(settings.seed)).numpy()
-    write_windows(out, tokens[order], origin[order], {
-        "n_train": len(tokens) - settings.eval_windows, "n_eval": settings.eval_windows,
+    tokens, origin = tokens[order], origin[order]
+    n_train = len(tokens) - settings.eval_windows
+    extra = repeated_rows(origin, n_train, [b // settings.window for b in budgets],
+                          [src.get("repeat", 1) for src in settings.sources], rng)
+    if len(extra):  # copies of training windows only, shuffled in among them: no held-out window is trained on
+        train = np.concatenate([np.arange(n_train), extra])[rng.permutation(n_train + len(extra))]
+        rows = np.concatenate([train, np.arange(n_train, len(tokens))])
+        tokens, origin, n_train = tokens[rows], origin[rows], len(train)
+    write_windows(out, tokens, origin, {
+        "n_train": n_train, "n_eval": settings.eval_windows,
         "window": settings.window, "seed": settings.seed,
         "sources": json.dumps(settings.sources), "tokenizer_hash": hex16(hash64(cmf.vocab)),
     })

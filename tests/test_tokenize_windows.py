@@ -50,6 +50,31 @@ def test_a_source_shorter_than_its_share_is_taken_once_and_said(tiny_cmf, tiny_c
     assert f"short.txt: all of it, {short * 32} tokens, short of its 864-token share" in capsys.readouterr().out
 
 
+def test_a_short_source_with_repeat_fills_its_share_with_copies_of_its_training_windows(tiny_cmf, tiny_corpus, tmp_path):
+    """`repeat: r` upsamples a short source (the GPU recipe's 16.7M tokens against 798k of real manuals): its
+    training windows come back up to r times each, its held-out ones never, so no held-out window is trained on."""
+    from collections import Counter
+
+    from nvg.artifacts import read_window_origins
+
+    story = tiny_corpus / "story.txt"
+    (tmp_path / "short.txt").write_text(story.read_text()[:600])
+    sources = [{"path": str(story)}, {"path": str(tmp_path / "short.txt"), "weight": 3.0, "repeat": 3}]
+    once, _ = run(tiny_cmf, tmp_path, "once.h5", sources=[{**s, "repeat": 1} for s in sources])
+    tokens, attrs = run(tiny_cmf, tmp_path, sources=sources)
+    origin = read_window_origins(tmp_path / "w.h5", len(tokens), 2)
+    n_train = int(attrs["n_train"])
+    assert len(tokens) - n_train == 4 == attrs["n_eval"]
+    short_once = int((read_window_origins(tmp_path / "once.h5", len(once), 2) == 1).sum())
+    counts = Counter(row.tobytes() for row, src in zip(tokens[:n_train], origin[:n_train]) if src == 1)
+    held = {row.tobytes() for row in tokens[n_train:]}
+    assert max(counts.values()) == 3 and not held & set(counts)  # copies of training windows only
+    # the share (864 tokens: 27 windows) is filled, or every training window is there three times
+    assert (origin == 1).sum() == min(27, short_once + 2 * len(counts))
+    again, _ = run(tiny_cmf, tmp_path, "again.h5", sources=sources)
+    np.testing.assert_array_equal(tokens, again)
+
+
 def test_each_window_keeps_its_source_through_the_shuffle(tiny_cmf, tiny_corpus, tmp_path):
     """`origin` names each window's source, so that evaluate can score a mix's held-out windows apart."""
     from nvg.artifacts import read_window_origins
@@ -152,6 +177,7 @@ def test_bad_sources_are_one_clear_error(tiny_cmf, tiny_corpus, tmp_path, kw, me
     ('{"sources": [{"path": "a"}], "window": 4}', "data.window: 4 is less than the minimum of 8"),
     ('{"sources": [], "tokens": 10}', r"data.sources: \[\] should be non-empty"),
     ('{"sources": [{"path": "a", "weight": 0}]}', "data.sources.0.weight: 0 is less than or equal to the minimum of 0"),
+    ('{"sources": [{"path": "a", "repeat": 0}]}', "data.sources.0.repeat: 0 is less than the minimum of 1"),
     ('{"sources": [{"path": "a"}], "windw": 4}', "data.windw: unknown key"),
 ])
 def test_settings_are_validated_with_the_key_named(text, message):
