@@ -1,12 +1,12 @@
 """Stage `evaluate`: teacher, encoded student, reconstructed student (when reconstruct_blocks runs) and
 final student, side by side → `eval.json`.
 
-On the held-out windows (all of them, and those of each calibration source apart when there are several: a
-real source mixed in makes the held-out windows a mix too) and on every out-of-domain source in `ood`: perplexity and its ratio to the
-teacher's, KL to the teacher over the full vocabulary and over its top-k (what top-k distillation
-matches; the teacher's top-k taken here, so that a run training against the live teacher needs no
-teacher_topk stage), the teacher's probability mass outside that top-k, top-1 agreement with the teacher;
-bits per weight of the body linears and of the whole file counted from the stored bytes; file sizes;
+On the held-out windows (all of them, and those of each calibration source apart when there are several:
+a real source mixed in makes the held-out windows a mix too) and on every out-of-domain source in `ood`:
+perplexity and its ratio to the teacher's, KL to the teacher over the full vocabulary and over its top-k
+(what top-k distillation matches; the teacher's top-k taken here, so that a run training against the live
+teacher needs no teacher_topk stage), the teacher's probability mass outside that top-k, top-1 agreement
+with the teacher; bits per weight of the body linears and of the whole file counted from the stored bytes; file sizes;
 wall time per stage from the rules' benchmark files.
 
     python -m nvg.evaluate --teacher T.cmf --encoded E.cmf [--reconstructed R.cmf] --final M.cmf --windows W.h5 \
