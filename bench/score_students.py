@@ -15,10 +15,9 @@ import argparse
 import json
 from pathlib import Path
 
-import h5py
 import numpy as np
 
-from nvg.artifacts import content_hash, model_hash
+from nvg.artifacts import model_hash, read_corpus_shard
 from nvg.cmf import read_verified
 from nvg.evaluate import EvalSettings, ScoredSet, student_pass, summary, teacher_pass
 from nvg.model import load_model, pick_device
@@ -28,12 +27,9 @@ from nvg.tokenizer import cmf_tokenizer
 
 
 def corpus_windows(shard: Path, teacher_hash: str, n: int, window: int, seed: int) -> np.ndarray:
-    """`n` windows of `window` tokens, each the start of a different sequence of the shard, drawn by `seed`;
-    the shard checked as read_corpus checks one (its teacher, its digest), whatever its place."""
-    with h5py.File(shard, "r") as f:
-        seqs, made_by, digest = f["tokens"][...], f.attrs["teacher_hash"], f.attrs["tokens_blake2b"]
-    if made_by != teacher_hash or content_hash(seqs) != digest:
-        raise SystemExit(f"{shard}: not this teacher's ({made_by}, not {teacher_hash}) or not its digest's tokens")
+    """`n` windows of `window` tokens, each the start of a different sequence of the shard (checked as the
+    pipeline checks one, whatever its place), drawn by `seed`."""
+    seqs, _ = read_corpus_shard(shard, teacher_hash)
     rows = np.sort(np.random.default_rng(seed).choice(len(seqs), n, replace=False))
     return np.ascontiguousarray(seqs[rows, :window])
 

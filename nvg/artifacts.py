@@ -290,24 +290,30 @@ def write_corpus(out, tokens: np.ndarray, attrs: dict) -> None:
             f.attrs.update(attrs)
 
 
+def read_corpus_shard(path, teacher: str) -> tuple[np.ndarray, int]:
+    """One generated shard's sequences and its shard index, checked: written for the teacher whose
+    `teacher_hash` is given, and holding the tokens its digest names."""
+    try:
+        with h5py.File(path, "r") as f:
+            tokens = f["tokens"][...]
+            made_by, shard, digest = f.attrs["teacher_hash"], int(f.attrs["shard"]), f.attrs["tokens_blake2b"]
+    except (OSError, KeyError) as e:
+        raise NvgError(f"{path}: not a readable generated corpus shard ({e})") from None
+    if made_by != teacher:
+        raise NvgError(f"{path}: teacher_hash {made_by} is not this teacher's {teacher} (a corpus from another teacher)")
+    if content_hash(tokens) != digest:
+        raise NvgError(f"{path}: tokens_blake2b {digest} does not match its tokens (a damaged or edited shard)")
+    return tokens, shard
+
+
 def read_corpus(paths: list[Path], teacher: str) -> np.ndarray:
-    """Every shard's sequences, in shard order: int32 [N, length]; each shard must come from the
-    teacher whose `teacher_hash` is given, be the shard its place says, and hold the tokens its digest names
-    (a shard copied in from elsewhere, or damaged, is not trained on)."""
+    """Every shard's sequences, in shard order: int32 [N, length]; each shard checked (`read_corpus_shard`)
+    and the shard its place says (a shard copied in from elsewhere, or damaged, is not trained on)."""
     parts = []
     for i, p in enumerate(paths):
-        try:
-            with h5py.File(p, "r") as f:
-                tokens = f["tokens"][...]
-                made_by, shard, digest = f.attrs["teacher_hash"], int(f.attrs["shard"]), f.attrs["tokens_blake2b"]
-        except (OSError, KeyError) as e:
-            raise NvgError(f"{p}: not a readable generated corpus shard ({e})") from None
-        if made_by != teacher:
-            raise NvgError(f"{p}: teacher_hash {made_by} is not this teacher's {teacher} (a corpus from another teacher)")
+        tokens, shard = read_corpus_shard(p, teacher)
         if shard != i:
             raise NvgError(f"{p}: shard {shard} given as shard {i} (the shards out of order, or one twice)")
-        if content_hash(tokens) != digest:
-            raise NvgError(f"{p}: tokens_blake2b {digest} does not match its tokens (a damaged or edited shard)")
         parts.append(tokens)
     if len({part.shape[1] for part in parts}) > 1:
         raise NvgError(f"{paths[0]}: the generated shards have different sequence lengths")
