@@ -79,8 +79,6 @@ class TrainSettings:
         check(self.batch % self.gpus == 0, "train", "gpus", f"must divide train.batch {self.batch}, got {self.gpus}")
         check(self.gpus == 1 or ":" not in self.device, "train", "device",
               f"{self.device} names one GPU, but train.gpus {self.gpus} runs one process on each GPU it sees: use auto or cuda")
-        check(self.targets == "live" or self.hidden_weight == 0, "train", "hidden_weight",
-              f"needs targets: live (the cached top-k has no hidden states), got {self.hidden_weight}; with targets: topk set it to 0")
         check(self.targets == "live" or self.signs.init == "uniform", "train", "signs.init",
               "margin needs targets: live (the margins come from the live teacher's weights)")
         check(self.targets == "topk" or not self.tail, "train", "tail", "applies to targets: topk only (live targets have the whole vocabulary)")
@@ -193,7 +191,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
             g.train_codes()
     d = Distiller(compile_blocks(model), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
-                  teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight,
+                  teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight if live else 0.0,
                   train_group_scales=s.group_scale_lr > 0)
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")

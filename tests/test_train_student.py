@@ -344,7 +344,6 @@ def test_a_live_teacher_the_student_was_not_encoded_from_is_refused(stage_inputs
     ('{"stop_after": 0}', "train.stop_after: 0 is less than the minimum of 1"),
     ('{"signs": {"tau": 0}}', "train.signs.tau: 0 is less than or equal to the minimum of 0"),
     ('{"signz": {}}', "train.signz: unknown key"),
-    ('{"targets": "topk", "hidden_weight": 1.0}', "train.hidden_weight: needs targets: live"),
     ('{"targets": "live", "tail": true}', "train.tail: applies to targets: topk only"),
 ])
 def test_bad_settings(text, message):

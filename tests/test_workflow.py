@@ -192,6 +192,18 @@ def test_a_real_rerun_with_a_live_teacher_and_another_learning_rate(finished_run
     assert planned_jobs(workdir, changed) == set()
 
 
+def test_hidden_weight_is_not_read_under_the_cached_topk(finished_run):
+    """The cached top-k has no hidden states: its runs keep the schema's hidden_weight (0.3), and changing it
+    there reruns nothing (train_student's params leave it out)."""
+    workdir, config = finished_run
+    assert config["train"]["targets"] == "topk" and "hidden_weight" not in config["train"]
+    changed = copy.deepcopy(config)
+    changed["train"]["hidden_weight"] = 0.9
+    assert planned_jobs(workdir, changed) == planned_jobs(workdir, config)
+    changed["train"]["lr"] = 0.004
+    assert "train_student" in planned_jobs(workdir, changed)
+
+
 def test_lint_is_clean():
     out = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--snakefile", str(REPO / "Snakefile"),
                           "--directory", str(REPO)], capture_output=True, text=True, timeout=300)

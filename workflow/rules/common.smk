@@ -59,6 +59,16 @@ def encode_block():
     return block
 
 
+def train_block():
+    """The train block as train_student reads it: without hidden_weight under the cached top-k, which has no
+    hidden states, so that a user who switches to topk need not zero the schema's 0.3 by hand, and changing
+    it there reruns nothing."""
+    block = dict(config["train"])
+    if block["targets"] == "topk":
+        block.pop("hidden_weight")
+    return block
+
+
 def nvg_sources(stage):
     """The step module's file and every nvg module it imports, transitively (the package's __init__
     runs for any of them): a code change reruns exactly the stages that run that code. Paths are

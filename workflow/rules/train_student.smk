@@ -16,7 +16,7 @@ rule train_student:
     benchmark:
         "benchmarks/train_student.tsv"
     params:
-        settings=settings("train"),
+        settings=json.dumps(train_block(), sort_keys=True),
         teacher=config["teacher"],
         launcher=train_launcher(),
         targets=targets_args,
