@@ -9,7 +9,9 @@
 # waits for itself to the call's limit (session 19 lost 4 device minutes so). -v: each test's name and outcome is in
 # the log as it ends, so a run stopped at the limit still says which test failed (session 25's `-q` said only "F").
 set -uo pipefail
-export PYTHONPATH=/root/site:/root/smk:$PWD TORCHINDUCTOR_COMPILE_THREADS=1
+# NVG_TESTS_INSTAFAIL: each failure's report in the log as it happens (tests/conftest.py), not only in the summary
+# that the limit may cut off
+export PYTHONPATH=/root/site:/root/smk:$PWD TORCHINDUCTOR_COMPILE_THREADS=1 NVG_TESTS_INSTAFAIL=1
 # nvg.settings needs jsonschema, which comes with the Snakemake wheels (the staging's third call): without them every
 # test fails at collection (session 31 lost a call so)
 python -c "import jsonschema" 2> /dev/null || { echo "no jsonschema: install .device/snakemake/*.whl into /root/smk first" >&2; exit 2; }

@@ -139,6 +139,15 @@ def stage_inputs(tiny_cmf, tiny_stages, tmp_path_factory):
     return d
 
 
+def pytest_runtest_logreport(report):
+    """With NVG_TESTS_INSTAFAIL set (bench/gpu_tests.sh), a failure's report is written as it happens, not in the
+    summary at the end: a device call's limit cut that summary off in session 39, and one CUDA test's failure
+    was left without its message."""
+    if report.failed and os.environ.get("NVG_TESTS_INSTAFAIL"):
+        sys.stderr.write(f"\n{report.nodeid} ({report.when}) failed:\n{report.longreprtext}\n")
+        sys.stderr.flush()
+
+
 def train(d, name, **kw):
     """Run train_student on the stage copy in `d`: outputs `<name>.cmf` and `<name>.jsonl`, state under `state-<name>`."""
     from nvg.cmf import read_cmf
