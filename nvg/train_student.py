@@ -85,8 +85,10 @@ class TrainSettings:
 
 
 def state_settings(settings: TrainSettings) -> dict:
-    """The settings that change the result (what names the state folder besides the inputs)."""
-    return {k: v for k, v in asdict(settings).items() if k not in ("device", "gpus", "state_root", "stop_after", "recompute_every")}
+    """The settings that change the result (what names the state folder besides the inputs); hidden_weight only
+    with the live teacher, the cached top-k having no hidden states."""
+    unread = ("device", "gpus", "state_root", "stop_after", "recompute_every") + (() if settings.targets == "live" else ("hidden_weight",))
+    return {k: v for k, v in asdict(settings).items() if k not in unread}
 
 
 @dataclass
