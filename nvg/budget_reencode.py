@@ -24,7 +24,7 @@ from nvg.atomic import write_json
 from nvg.cmf import (BLR, CODE_RANGE, Q2TP, Q4_BLOCK, Q4TP, Q8_ROW, Tensor, dense_tensor, quant_groups, read_cmf,
                      read_verified, tensor_to_numpy, with_group_codes, with_group_scales, write_cmf)
 from nvg.encoder import EncodeSettings, encode_tensor
-from nvg.gptq import gptq_codes
+from nvg.gptq import descended_codes, gptq_codes, least_squares_scales
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
 from nvg.model import nearest_code, pick_device
@@ -50,6 +50,24 @@ def gptq_recoded(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, device="c
     """`q` (group-scaled, groups within rows) with its scales kept and its codes chosen by GPTQ under H."""
     codes, _ = gptq_group_codes(q, W, H, damp, device)
     return Tensor(q.name, q.dtype, q.shape, with_group_codes(q, codes))
+
+
+def refitted(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, rounds: int, device="cpu") -> Tensor:
+    """`q` (group-scaled, groups within rows) after `rounds` of nvg/gptq.py's refit under H: its group scales
+    by least squares (then as the format stores them: f16, or rungs of q4tp's / q2tp's refitted row ladders),
+    then two sweeps of coordinate descent on its codes at those stored scales."""
+    rows, cols = W.shape
+    round_codes = lambda x: nearest_code(x, CODE_RANGE[q.dtype])  # noqa: E731
+    for _ in range(rounds):
+        codes, _ = quant_groups(q)
+        group = codes.shape[1]
+        flipped, scales = least_squares_scales(W, H, codes.reshape(rows, cols), group, damp, device)
+        q = Tensor(q.name, q.dtype, q.shape, with_group_codes(q, np.rint(flipped).astype(np.int8).reshape(codes.shape)))
+        q = Tensor(q.name, q.dtype, q.shape, with_group_scales(q, scales.reshape(-1).astype(np.float32)))
+        _, stored = quant_groups(q)
+        new = descended_codes(W, H, flipped, stored.reshape(rows, -1), group, round_codes, damp, 2, device)
+        q = Tensor(q.name, q.dtype, q.shape, with_group_codes(q, np.rint(new).astype(np.int8).reshape(codes.shape)))
+    return q
 
 
 SCALE_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)  # the absmax scales × one of these
@@ -98,6 +116,7 @@ def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeS
             q, shrink["scale_shrink"] = gptq_shrunk(q, W, H_fit, H_sel, settings.embedding_damp, device)
         else:
             q = gptq_recoded(q, W, H_fit, settings.embedding_damp, device)
+        q = refitted(q, W, H_fit, settings.embedding_damp, settings.embedding_refit, device)
     D = tensor_to_numpy(q).astype(np.float64) - W
     # tr(D H Dᵀ) through one GEMM: a three-operand np.einsum runs a plain C loop (12.5 s against 0.67 s on a
     # 2-core CPU at SmolLM2's 49152 × 576, float64)

@@ -45,6 +45,7 @@ class EncodeSettings:
     embedding_bpw: float
     embedding_damp: float
     embedding_shrink: bool
+    embedding_refit: int
     device: str
 
 

@@ -494,8 +494,65 @@ def test_the_heads_scales_shrink_by_the_factor_that_errs_least_on_the_sel_logits
     from nvg import budget_reencode
 
     monkeypatch.setattr(budget_reencode, "read_grams", lambda path, layer, name: (H_fit, H_sel, 1000, 1000))
-    for on in (True, False):  # encode.embedding_shrink: the head is encoded so and the report says by what factor
-        t, row = budget_reencode.encode_vocab_matrix("lm_head.weight", W, Path("grams.h5"),
+    for on in (True, False):  # encode.embedding_shrink: the head is encoded so (then refitted, encode.embedding_refit)
+        t, row = budget_reencode.encode_vocab_matrix("lm_head.weight", W, Path("grams.h5"),  # and the report says by what factor
                                                      load(EncodeSettings, embedding_shrink=on), "q2tp", 1.0, True, "cpu")
-        assert bytes(t.data) == bytes((best if on else gptq_recoded(q, W, H_fit, 0.1)).data)
+        start = best if on else gptq_recoded(q, W, H_fit, 0.1)
+        assert bytes(t.data) == bytes(budget_reencode.refitted(start, W, H_fit, 0.1, 3).data) != bytes(start.data)
         assert row.get("scale_shrink") == (shrink if on else None)
+
+
+@pytest.mark.parametrize("fmt", ["q2tp", "q4tp", "q4_block", "q8_row"])
+def test_refitting_the_head_after_gptq_lowers_its_error_and_keeps_to_the_format(fmt):
+    """nvg/gptq.py's refit through `refitted`: least-squares group scales, stored as the format stores them, then
+    coordinate descent on the codes, lower the error GPTQ left on the damped Gram it fits, most at 2 bits; every
+    code stays one the format allows; 0 rounds is GPTQ's tensor byte for byte."""
+    from nvg.budget_reencode import EMBEDDING_DTYPES, gptq_recoded, refitted
+    from nvg.cmf import CODE_RANGE, dense_tensor, quant_groups, tensor_to_numpy
+    from nvg.gptq import damped
+
+    rng = np.random.default_rng(5)
+    W = rng.standard_t(3, size=(120, 64)).astype(np.float32)
+    X = rng.normal(size=(800, 64)) @ rng.normal(size=(64, 64))
+    H = X.T @ X
+    Hd = damped(H, 0.1, "cpu").numpy()
+
+    def err(t):
+        D = tensor_to_numpy(t).astype(np.float64) - W
+        return float(((D @ Hd) * D).sum() / ((W @ Hd) * W).sum())
+
+    gptq = gptq_recoded(dense_tensor("e", W, EMBEDDING_DTYPES[fmt]), W, H, 0.1)
+    refit = refitted(gptq, W, H, 0.1, 3)
+    assert err(refit) < {"q2tp": 0.8, "q4tp": 0.95, "q4_block": 0.95, "q8_row": 1.0}[fmt] * err(gptq), (err(refit), err(gptq))
+    codes = quant_groups(refit)[0]
+    lo, hi, spacing = CODE_RANGE[EMBEDDING_DTYPES[fmt]]
+    assert codes.min() >= lo and codes.max() <= hi and ((codes - lo) % spacing == 0).all()
+    assert bytes(refitted(gptq, W, H, 0.1, 0).data) == bytes(gptq.data)
+
+
+def test_coordinate_descent_never_raises_the_error_and_least_squares_scales_turn_negated_codes_back():
+    """`descended_codes` from a random start: each sweep's error at most the last one's. `least_squares_scales`
+    on a row's codes negated finds the negative scales and returns the codes turned back with scales ≥ 0."""
+    from nvg.gptq import damped, descended_codes, least_squares_scales
+    from nvg.model import nearest_code
+
+    rng = np.random.default_rng(8)
+    W = rng.normal(size=(40, 64))
+    X = rng.normal(size=(400, 64)) @ rng.normal(size=(64, 64))
+    H = X.T @ X
+    Hd = damped(H, 0.1, "cpu").numpy()
+    scales = np.abs(W).reshape(40, 2, 32).max(-1) / 3
+
+    def err(codes):
+        D = codes * np.repeat(scales, 32, axis=1) - W
+        return float(((D @ Hd) * D).sum())
+
+    odd = lambda x: nearest_code(x, (-3, 3, 2))  # noqa: E731
+    codes = rng.choice([-3.0, -1.0, 1.0, 3.0], size=W.shape)
+    errors = [err(codes)]
+    for _ in range(3):
+        codes = descended_codes(W, H, codes, scales, 32, odd, 0.1, 1)
+        errors.append(err(codes))
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(errors, errors[1:])) and errors[-1] < 0.5 * errors[0]
+    turned, fitted = least_squares_scales(W, H, -codes, 32, 0.1)
+    assert (fitted >= 0).all() and np.array_equal(turned, codes)
