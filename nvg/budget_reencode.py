@@ -104,8 +104,8 @@ def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeS
     GPTQ (nvg/gptq.py) under the Gram of the hidden states it multiplies, on those scales (with
     `embedding_shrink`, shrunk by the factor that errs least on the logits: `gptq_shrunk`), damped by
     `embedding_damp` for its role as the embedding (teacher alone, SmolLM2: q2tp 15.3× / 9.2× held-out /
-    python-docs perplexity rounded, 3.2× / 3.2× with GPTQ). Its error is reported on the logits of the SEL
-    hidden states."""
+    python-docs perplexity rounded, 3.2× / 3.2× with GPTQ), then refitted (`embedding_refit` rounds, `refitted`).
+    Its error is reported on the logits of the SEL hidden states."""
     H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
     if fmt == "blr":
         return encode_blr_vocab_matrix(name, W, H_fit, H_sel, bpw, settings, is_head, device)
