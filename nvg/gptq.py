@@ -7,11 +7,12 @@ nvg uses it for the LM head (the tied embedding): H is the final-normed hidden s
 error counted is the logits', and `damp`·mean(diag H)·I is added for the matrix's other role as the
 input embedding, where every direction counts alike. Plain rounding is the damp → ∞ limit.
 
-GPTQ fixes each column once, on scales chosen before it (absmax). `refit_rounds` then alternates the two
-halves of the same objective until they agree: each row's group scales by least squares with its codes
-fixed, and every code again by coordinate descent with the rest fixed (each moved to the allowed code nearest
-its optimum, so the error never rises). On SmolLM2's q2tp head this halved GPTQ's error on the Gram it fits
-and lowered it 45 % on held-out hidden states (docs/quality.md, session 40).
+GPTQ fixes each column once, on scales chosen before it (absmax). Each refit round (budget_reencode's
+`encode.embedding_refit`) then takes the two halves of the same objective in turn: each row's group scales by
+least squares with its codes fixed (`least_squares_scales`), then every code by coordinate descent with the
+rest fixed (`descended_codes`: each moved to the allowed code nearest its optimum, so the error never rises).
+On SmolLM2's q2tp head three rounds halved GPTQ's error on the Gram it fits and lowered it 45 % on held-out
+hidden states (docs/quality.md, session 40).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def descended_codes(W: np.ndarray, H: np.ndarray, codes: np.ndarray, scales: np.
     for _ in range(sweeps):
         for j in range(C.shape[1]):
             best = round_codes(C[:, j] - R[:, j] / (Hd[j, j] * safe[:, j]))
-            step = torch.where(s[:, j] > 0, best - C[:, j], 0.0) * s[:, j]
-            R += step[:, None] * Hd[j][None, :]
-            C[:, j] += torch.where(s[:, j] > 0, best - C[:, j], 0.0)
+            move = torch.where(s[:, j] > 0, best - C[:, j], 0.0)  # a zero-scale group's codes stay
+            R += (move * s[:, j])[:, None] * Hd[j][None, :]
+            C[:, j] += move
     return C.cpu().numpy()
