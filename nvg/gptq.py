@@ -25,6 +25,16 @@ import torch
 BLOCK = 128  # columns per lazy batch update (the GPTQ paper's B)
 
 
+def row_chunk(rows: int, device) -> int:
+    """Rows the coordinate descent takes at a time. Rows never interact (each has its own codes and scales; H is
+    shared), so on a CPU 1,024 rows run all the sweeps on their own and their float64 residual (4.7 MB at 576
+    columns) stays in cache, where the whole matrix's (226 MB for SmolLM2's head) was read and written once a
+    column: 8× faster on one core, the same codes. (GPTQ's lazy batch updates already keep its loop in cache: the
+    same chunks gained it nothing.) A GPU reads the whole at full bandwidth and would pay a kernel launch a column
+    per chunk instead, so it takes every row at once."""
+    return rows if torch.device(device).type == "cuda" else 1024
+
+
 def damped(H: np.ndarray, damp: float, device) -> torch.Tensor:
     """H + damp · mean(diag H) · I, float64 on `device`: the objective's Gram, the embedding's role included."""
     Hd = torch.from_numpy(np.asarray(H, np.float64)).to(device)
@@ -90,15 +100,22 @@ def descended_codes(W: np.ndarray, H: np.ndarray, codes: np.ndarray, scales: np.
     """`codes` [rows, cols] after `sweeps` passes of coordinate descent on (C·S − W) H (C·S − W)ᵀ (H damped as
     GPTQ's): column by column, every row's code moves to the allowed code nearest its optimum with the others
     fixed, so no move raises the error; R = (C·S − W) H is kept by a rank-1 update a column."""
-    s = torch.from_numpy(np.asarray(scales, np.float64)).to(device).repeat_interleave(group, dim=1)
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    C = torch.from_numpy(np.asarray(codes, np.float64)).to(device)
+    s_all = torch.from_numpy(np.asarray(scales, np.float64)).to(device).repeat_interleave(group, dim=1)
+    C_all = torch.tensor(np.asarray(codes), dtype=torch.float64, device=device)  # a copy: the moves never reach `codes`
+    W_all = torch.from_numpy(np.asarray(W, np.float64)).to(device)
     Hd = damped(H, damp, device)
-    R = (C * s - torch.from_numpy(np.asarray(W, np.float64)).to(device)) @ Hd
-    for _ in range(sweeps):
-        for j in range(C.shape[1]):
-            best = round_codes(C[:, j] - R[:, j] / (Hd[j, j] * safe[:, j]))
-            move = torch.where(s[:, j] > 0, best - C[:, j], 0.0)  # a zero-scale group's codes stay
-            R += (move * s[:, j])[:, None] * Hd[j][None, :]
-            C[:, j] += move
-    return C.cpu().numpy()
+    diag = torch.diagonal(Hd)
+    # each chunk of rows runs all its sweeps on its own, its residual in cache (`row_chunk`)
+    chunk = row_chunk(len(C_all), device)
+    for r0 in range(0, len(C_all), chunk):
+        s = s_all[r0 : r0 + chunk]
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        C = C_all[r0 : r0 + chunk]  # a view: the moves land in C_all
+        R = (C * s - W_all[r0 : r0 + chunk]) @ Hd
+        for _ in range(sweeps):
+            for j in range(C.shape[1]):
+                best = round_codes(C[:, j] - R[:, j] / (diag[j] * safe[:, j]))
+                move = torch.where(s[:, j] > 0, best - C[:, j], 0.0)  # a zero-scale group's codes stay
+                R += (move * s[:, j])[:, None] * Hd[j][None, :]
+                C[:, j] += move
+    return C_all.cpu().numpy()

@@ -556,3 +556,27 @@ def test_coordinate_descent_never_raises_the_error_and_least_squares_scales_turn
     assert all(b <= a * (1 + 1e-12) for a, b in zip(errors, errors[1:])) and errors[-1] < 0.5 * errors[0]
     turned, fitted = least_squares_scales(W, H, -codes, 32, 0.1)
     assert (fitted >= 0).all() and np.array_equal(turned, codes)
+
+
+def test_coordinate_descent_treats_each_row_alone_across_its_row_chunks():
+    """`descended_codes` takes rows in chunks (`row_chunk`: 1,024 on a CPU); rows never interact, so 2,500 rows at
+    once (three chunks, the last one short) give each row the codes it gets alone, and the caller's codes stay."""
+    from nvg.gptq import descended_codes, row_chunk
+    from nvg.model import nearest_code
+
+    rng = np.random.default_rng(9)
+    rows = 2500
+    assert row_chunk(rows, "cpu") < rows
+    W = rng.normal(size=(rows, 64))
+    X = rng.normal(size=(400, 64)) @ rng.normal(size=(64, 64))
+    H = X.T @ X
+    scales = np.abs(W).reshape(rows, 2, 32).max(-1) / 3
+    odd = lambda x: nearest_code(x, (-3, 3, 2))  # noqa: E731
+    start = rng.choice([-3.0, -1.0, 1.0, 3.0], size=W.shape)
+    kept = start.copy()
+    together = descended_codes(W, H, start, scales, 32, odd, 0.1, 2)
+    assert np.array_equal(start, kept)
+    for r in (0, 1023, 1024, 2047, 2048, 2499):
+        alone = descended_codes(W[r : r + 1], H, start[r : r + 1], scales[r : r + 1], 32, odd, 0.1, 2)
+        assert np.array_equal(together[r], alone[0]), r
+    assert (together != start).mean() > 0.1
