@@ -45,8 +45,8 @@ def damped(H: np.ndarray, damp: float, device) -> torch.Tensor:
 def gptq_codes(W: np.ndarray, H: np.ndarray, scales: np.ndarray, group: int,
                round_codes: Callable[[torch.Tensor], torch.Tensor], damp: float, device="cpu") -> np.ndarray:
     """Codes [rows, cols] (float-valued integers) with W ≈ codes · scales[:, col // group]; `round_codes`
-    maps values in units of the scale to the nearest allowed code. float64 on `device` (the default job's
-    encode took 310 s with the SmolLM2 head in q2tp and 259 s with it in f16, on a 2-core CPU)."""
+    maps values in units of the scale to the nearest allowed code. float64 on `device` (about 6 s for SmolLM2's
+    head on a 2-core CPU)."""
     rows, cols = W.shape
     Wt = torch.from_numpy(np.asarray(W, np.float32)).to(device, torch.float64)
     Hd = damped(H, damp, device)
