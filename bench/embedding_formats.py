@@ -15,6 +15,7 @@ row's metric H + β·m mᵀ, m the token's mean context under the teacher (`cont
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -111,6 +112,7 @@ def main(results: Path, only: str = "") -> None:
     rows |= {f"q2tp, GPTQ λ {damps} for tokens seen 0 / 1–3 / ≥ 4 times": lambda damps=damps: by_frequency(damps)
              for damps in ((0.03, 0.3, 1.0), (0.1, 0.3, 1.0), (0.1, 1.0, 3.0), (0.03, 0.1, 0.3))}
 
+    @functools.cache
     def token_contexts():  # the teacher's probability-weighted mean final hidden state of each token, and its mass
         Et, V, d = torch.from_numpy(E), E.shape[0], E.shape[1]
         mass, weighted, square, n = torch.zeros(V, dtype=torch.float64), torch.zeros(V, d, dtype=torch.float64), 0.0, 0
@@ -126,12 +128,11 @@ def main(results: Path, only: str = "") -> None:
         return (weighted / mass.clamp_min(1e-30)[:, None]).numpy(), mass.numpy(), float(np.trace(H)) / (square / n)
 
     def context_refit(beta, prior):  # the shrunk GPTQ head refitted 3 rounds, row j under H + β·count·w_j·m_j m_jᵀ
-        if "contexts" not in refits:
-            refits["contexts"] = token_contexts()
-        means, mass, count = refits["contexts"]
+        means, mass, count = token_contexts()
         weight = beta * count * (mass / (mass + prior) if prior else np.ones_like(mass))
-        start = gptq_shrunk(dense_tensor("e", E, Q2TP), E, H, H_sel, 0.1)[0]
-        t = refitted(start, E, H, 0.1, 3, row_vectors=np.sqrt(weight)[:, None] * means)
+        if (True, 0) not in refits:  # the shrunk GPTQ start, shared with `refit`'s rows
+            refits[True, 0] = gptq_shrunk(dense_tensor("e", E, Q2TP), E, H, H_sel, 0.1)[0]
+        t = refitted(refits[True, 0], E, H, 0.1, 3, row_vectors=np.sqrt(weight)[:, None] * means)
         return tensor_to_numpy(t), len(t.data)
 
     # The KL's second-order cost of logit errors δ is ½ Σ_t Var_{p_t}(δ_t), whose row-j term is d_j (Σ_t p_tj h_t h_tᵀ) d_jᵀ:

@@ -57,7 +57,7 @@ def refitted(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, rounds: int, 
     """`q` (group-scaled, groups within rows) after `rounds` of nvg/gptq.py's refit under H: its group scales
     by least squares (then as the format stores them: f16, or rungs of q4tp's / q2tp's refitted row ladders),
     then two sweeps of coordinate descent on its codes at those stored scales. `row_vectors`: row r's metric
-    H + v_r v_rᵀ (bench/head_context_metric.py's study; the workflow passes none)."""
+    H + v_r v_rᵀ (bench/embedding_formats.py's `context_refit` study; the workflow passes none)."""
     rows, cols = W.shape
     round_codes = lambda x: nearest_code(x, CODE_RANGE[q.dtype])  # noqa: E731
     for _ in range(rounds):
