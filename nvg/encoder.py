@@ -46,6 +46,7 @@ class EncodeSettings:
     embedding_damp: float
     embedding_shrink: bool
     embedding_refit: int
+    embedding_context: float
     device: str
 
 
