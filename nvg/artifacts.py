@@ -4,9 +4,8 @@
   tokenizer_hash, tokens_blake2b. The last n_eval rows are held out.
 * `topk.{shard}.h5` — `ids` int32 [n, window, k], `logp` float16 [n, window, k] (log-probs over the
   full vocabulary), `rows` (which windows); attributes k, teacher_hash, windows_hash.
-* `grams/{model}.h5` — `layer{i}/{input}/fit` and `…/sel` float32 [n, n] with count_fit/count_sel (the
-  head's input as `head_in/…`); with grams.head_contexts, `head_contexts/means` float32 [vocab, hidden] and
-  `…/mass` float64 [vocab] with mean_square and tokens; attributes model, model_hash, windows_hash, inputs.
+* `grams/{model}.h5` — `layer{i}/{input}/fit` and `…/sel` float32 [n, n] with count_fit/count_sel;
+  attributes model, model_hash, windows_hash, inputs.
 
 Every writer goes through `atomic_path`: a killed job leaves no file under the output's name. Every
 reader checks what it reads before a stage trains on it: the windows against their content hash, a
@@ -18,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -246,20 +244,8 @@ def _gram_group(layer: int | None, name: str) -> str:
     return name if layer is None else f"layer{layer}/{name}"
 
 
-@dataclass
-class HeadContexts:
-    """gram_capture's `head_contexts`: each vocabulary token's mean context (nvg/gram_capture.py `token_contexts`)."""
-
-    means: np.ndarray  # float32 [vocab, hidden]: m_j = Σ_t p_tj h_t / Σ_t p_tj
-    mass: np.ndarray  # float64 [vocab]: Σ_t p_tj
-    mean_square: float  # mean ‖h_t‖² over the same tokens
-    tokens: int
-
-
-def write_grams(out, fit: dict, sel: dict, count_fit: int, count_sel: int, attrs: dict,
-                contexts: HeadContexts | None = None) -> None:
-    """`fit`/`sel`: {(layer, input name): H float32 [n, n]}, the head's input under `HEAD_INPUT`; `contexts`
-    under the group `head_contexts`."""
+def write_grams(out, fit: dict, sel: dict, count_fit: int, count_sel: int, attrs: dict) -> None:
+    """`fit`/`sel`: {(layer, input name): H float32 [n, n]}, the head's input under `HEAD_INPUT`."""
     with atomic_path(out) as tmp:
         with h5py.File(tmp, "w") as f:
             for (layer, name), h in fit.items():
@@ -267,33 +253,7 @@ def write_grams(out, fit: dict, sel: dict, count_fit: int, count_sel: int, attrs
                 grp.create_dataset("fit", data=h)
                 grp.create_dataset("sel", data=sel[(layer, name)])
                 grp.attrs.update({"count_fit": count_fit, "count_sel": count_sel})
-            if contexts is not None:
-                grp = f.create_group("head_contexts")
-                grp.create_dataset("means", data=contexts.means)
-                grp.create_dataset("mass", data=contexts.mass)
-                grp.attrs.update({"mean_square": contexts.mean_square, "tokens": contexts.tokens})
             f.attrs.update(attrs)
-
-
-def read_head_contexts(path, vocab: int, hidden: int) -> HeadContexts:
-    """The Grams file's token contexts, checked: present (else the setting that writes them is named), of the
-    model's shape, finite, with non-negative mass."""
-    try:
-        with h5py.File(path, "r") as f:
-            if "head_contexts" not in f:
-                raise NvgError(f"{path}: no head_contexts (config encode.embedding_context needs them: set "
-                               "grams.head_contexts to a number of training windows)")
-            g = f["head_contexts"]
-            c = HeadContexts(g["means"][...], g["mass"][...], float(g.attrs["mean_square"]), int(g.attrs["tokens"]))
-    except (OSError, KeyError) as e:
-        raise NvgError(f"{path}: head_contexts not readable ({e}); rerun gram_capture") from None
-    if c.means.shape != (vocab, hidden) or c.mass.shape != (vocab,):
-        raise NvgError(f"{path}: head_contexts/means is {c.means.shape} and mass {c.mass.shape}, "
-                       f"not the model's ({vocab}, {hidden}) and ({vocab},)")
-    if not (np.isfinite(c.means).all() and np.isfinite(c.mass).all() and (c.mass >= 0).all()
-            and np.isfinite(c.mean_square) and c.mean_square > 0):
-        raise NvgError(f"{path}: head_contexts holds non-finite or negative values; rerun gram_capture")
-    return c
 
 
 def check_grams(path, *models) -> None:

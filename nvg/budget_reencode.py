@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from nvg import blr as codec
-from nvg.artifacts import HEAD_INPUT, HeadContexts, check_encoded_from, check_grams, model_hash, read_grams, read_head_contexts
+from nvg.artifacts import HEAD_INPUT, check_encoded_from, check_grams, model_hash, read_grams
 from nvg.atomic import write_json
 from nvg.cmf import (BLR, CODE_RANGE, Q2TP, Q4_BLOCK, Q4TP, Q8_ROW, Tensor, dense_tensor, quant_groups, read_cmf,
                      read_verified, tensor_to_numpy, with_group_codes, with_group_scales, write_cmf)
@@ -57,7 +57,7 @@ def refitted(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, rounds: int, 
     """`q` (group-scaled, groups within rows) after `rounds` of nvg/gptq.py's refit under H: its group scales
     by least squares (then as the format stores them: f16, or rungs of q4tp's / q2tp's refitted row ladders),
     then two sweeps of coordinate descent on its codes at those stored scales. `row_vectors`: row r's metric
-    H + v_r v_rᵀ (`context_vectors`)."""
+    H + v_r v_rᵀ (bench/embedding_formats.py's `context_refit` study; the workflow passes none)."""
     rows, cols = W.shape
     round_codes = lambda x: nearest_code(x, CODE_RANGE[q.dtype])  # noqa: E731
     for _ in range(rounds):
@@ -70,13 +70,6 @@ def refitted(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, rounds: int, 
         new = descended_codes(W, H, flipped, stored.reshape(rows, -1), group, round_codes, damp, 2, device, row_vectors)
         q = Tensor(q.name, q.dtype, q.shape, with_group_codes(q, np.rint(new).astype(np.int8).reshape(codes.shape)))
     return q
-
-
-def context_vectors(contexts: HeadContexts, H_fit: np.ndarray, beta: float) -> np.ndarray:
-    """Row j's rank-1 metric vector for `refitted`: sqrt(β·n)·m_j, m_j its token's mean context (gram_capture's
-    `head_contexts`) and n = tr(H_fit) / mean ‖h‖² H_fit's size in tokens, so that at β 1 a token's mean context
-    weighs as one token's h hᵀ weighs in H, times all of H's tokens."""
-    return np.sqrt(beta * float(np.trace(H_fit)) / contexts.mean_square) * contexts.means.astype(np.float64)
 
 
 SCALE_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)  # the absmax scales × one of these
@@ -107,14 +100,13 @@ def gptq_shrunk(q: Tensor, W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, 
 
 
 def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeSettings, fmt: str, bpw: float,
-                        is_head: bool, device, contexts: HeadContexts | None = None) -> tuple[Tensor, dict]:
+                        is_head: bool, device) -> tuple[Tensor, dict]:
     """The embedding or LM head in format `fmt` (blr at `bpw`: `encode_blr_vocab_matrix`). Else scales and
     first codes as the format rounds them; the head (the embedding too when tied) then takes its codes from
     GPTQ (nvg/gptq.py) under the Gram of the hidden states it multiplies, on those scales (with
     `embedding_shrink`, shrunk by the factor that errs least on the logits: `gptq_shrunk`), damped by
     `embedding_damp` for its role as the embedding (teacher alone, SmolLM2: q2tp 15.3× / 9.2× held-out /
-    python-docs perplexity rounded, 3.2× / 3.2× with GPTQ), then refitted (`embedding_refit` rounds, `refitted`;
-    with `contexts`, each row also under its token's mean context at `embedding_context`: `context_vectors`).
+    python-docs perplexity rounded, 3.2× / 3.2× with GPTQ), then refitted (`embedding_refit` rounds, `refitted`).
     Its error is reported on the logits of the SEL hidden states."""
     H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
     if fmt == "blr":
@@ -126,8 +118,7 @@ def encode_vocab_matrix(name: str, W: np.ndarray, grams: Path, settings: EncodeS
             q, shrink["scale_shrink"] = gptq_shrunk(q, W, H_fit, H_sel, settings.embedding_damp, device)
         else:
             q = gptq_recoded(q, W, H_fit, settings.embedding_damp, device)
-        row_vectors = None if contexts is None else context_vectors(contexts, H_fit, settings.embedding_context)
-        q = refitted(q, W, H_fit, settings.embedding_damp, settings.embedding_refit, device, row_vectors)
+        q = refitted(q, W, H_fit, settings.embedding_damp, settings.embedding_refit, device)
     D = tensor_to_numpy(q).astype(np.float64) - W
     # tr(D H Dᵀ) through one GEMM: a three-operand np.einsum runs a plain C loop (12.5 s against 0.67 s on a
     # 2-core CPU at SmolLM2's 49152 × 576, float64)
@@ -183,9 +174,6 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     if s_cmf is not None:
         check_encoded_from(s_cmf, t_cmf)
     check_grams(grams, t_cmf, *([s_cmf] if s_cmf else []))
-    contexts = None  # read and checked before any encoding, as the budgets are
-    if settings.embedding_context and any(fmt not in ("f16", "blr") for fmt, _ in vocab.values()):
-        contexts = read_head_contexts(grams, arch["vocab_size"], arch["hidden_size"])
     device = pick_device(settings.device)
     t0 = time.perf_counter()
     payloads, rows = {}, {}
@@ -217,7 +205,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
         elif name in vocab and vocab[name][0] != "f16":
             q, rows[name] = encode_vocab_matrix(name, tensor_to_numpy(t_cmf.tensors[name]), grams, settings, *vocab[name],
                                                 is_head=name == "lm_head.weight" or arch.get("tie_word_embeddings", False),
-                                                device=device, contexts=contexts)
+                                                device=device)
             print(f"  {name}: {vocab[name][0]} {rows[name]['bpw']:.3f} bpw, rel error {rows[name]['rel_error']:.4f}, "
                   f"logits' rel error {rows[name]['rel_logit_error']:.4f}"
                   + (f", scales × {rows[name]['scale_shrink']:g}" if "scale_shrink" in rows[name] else ""), file=sys.stderr)
@@ -228,7 +216,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     prov = dict(header.get("provenance", {}))
     blr_bpw = {name: bpw for name, (fmt, bpw) in vocab.items() if fmt == "blr"}
     prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw,
-                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "v_groups": settings.v_groups, "embedding": vocab["model.embed_tokens.weight"][0], "embedding_bpw": blr_bpw.get("model.embed_tokens.weight"), "lm_head": vocab.get("lm_head.weight", (None,))[0], "lm_head_bpw": blr_bpw.get("lm_head.weight"), "embedding_damp": settings.embedding_damp, "embedding_context": settings.embedding_context, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
+                          "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "v_groups": settings.v_groups, "embedding": vocab["model.embed_tokens.weight"][0], "embedding_bpw": blr_bpw.get("model.embed_tokens.weight"), "lm_head": vocab.get("lm_head.weight", (None,))[0], "lm_head_bpw": blr_bpw.get("lm_head.weight"), "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov
     header["quant_type"] = "BLR"

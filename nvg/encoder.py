@@ -46,7 +46,6 @@ class EncodeSettings:
     embedding_damp: float
     embedding_shrink: bool
     embedding_refit: int
-    embedding_context: float
     device: str
 
 

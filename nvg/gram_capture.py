@@ -4,9 +4,7 @@ Inputs: `attn_in` (feeds q/k/v), `attn_out` (feeds o), `mlp_in` (feeds gate/up),
 down), and once per model `head_in`, the final-normed hidden states the LM head multiplies (the encoder
 of a quantised head, nvg/gptq.py, measures its error on the logits through it). FIT windows are the
 first `fit_windows` training windows, SEL the next `sel_windows` (disjoint); held-out windows are never
-used. Grams accumulate in float32 on the device through forward hooks. With `head_contexts` N > 0, also each
-vocabulary token's mean context over the first N training windows (`token_contexts`: the quantised head's
-refit with `encode.embedding_context` weighs each row by it).
+used. Grams accumulate in float32 on the device through forward hooks.
 Output `grams/{model}.h5` (format in `nvg/artifacts.py`).
 
     python -m nvg.gram_capture --model M.cmf --windows W.h5 --out grams/teacher.h5 --settings JSON
@@ -23,7 +21,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from nvg.artifacts import HEAD_INPUT, HeadContexts, model_hash, read_windows, write_grams
+from nvg.artifacts import HEAD_INPUT, model_hash, read_windows, write_grams
 from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import BODY_ROLES, ROLE_INPUT
@@ -45,7 +43,6 @@ class GramSettings:
     batch: int
     device: str
     precision: str
-    head_contexts: int
 
 
 def capture(model, tokens: np.ndarray, device, batch: int, precision: str, label: str) -> tuple[dict, int]:
@@ -75,30 +72,6 @@ def capture(model, tokens: np.ndarray, device, batch: int, precision: str, label
     return {k: v.cpu().numpy() for k, v in grams.items()}, int(tokens.size)
 
 
-def token_contexts(model, tokens: np.ndarray, device, batch: int, precision: str) -> tuple[np.ndarray, np.ndarray, float]:
-    """Each vocabulary token j's mean context m_j = Σ_t p_tj h_t / Σ_t p_tj over all positions t of `tokens`,
-    p_t the model's next-token distribution and h_t the final-normed hidden state the head multiplies; the
-    mass Σ_t p_tj; and the mean ‖h_t‖². Why: the KL's second-order cost of logit errors δ_t is ½ Var_{p_t}(δ_t),
-    whose row-j term is d_j (Σ_t p_tj h_t h_tᵀ) d_jᵀ, so head row j's error counts in the contexts where the
-    model expects token j, where the Gram H counts every context alike; m_j is that per-row Gram's rank-1
-    stand-in. Accumulated in float64 on the device, a [vocab, hidden] product a batch."""
-    W = model.head_weight
-    V, d = W.shape
-    mass = torch.zeros(V, dtype=torch.float64, device=device)
-    weighted = torch.zeros(V, d, dtype=torch.float64, device=device)
-    square = 0.0
-    with torch.no_grad(), autocast(device, precision), bar(len(tokens), "gram_capture contexts", "window") as pb:
-        for s in range(0, len(tokens), batch):
-            h = model.hidden(torch.from_numpy(tokens[s : s + batch]).to(device)).reshape(-1, d).float()
-            p = torch.softmax(h @ W.float().T, -1)
-            mass += p.sum(0).double()
-            weighted += (p.T @ h).double()
-            square += float((h.double() ** 2).sum())
-            pb.update(len(tokens[s : s + batch]))
-    means = weighted / mass.clamp_min(1e-30)[:, None]
-    return means.float().cpu().numpy(), mass.cpu().numpy(), square / tokens.size
-
-
 def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> None:
     cmf = read_verified(model_path)
     tokens, attrs = read_windows(windows, cmf.arch["vocab_size"])
@@ -106,8 +79,6 @@ def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> 
     if settings.fit_windows + settings.sel_windows > n_train:
         raise NvgError(f"config grams: fit_windows + sel_windows = {settings.fit_windows + settings.sel_windows} "
                        f"exceeds the {n_train} training windows")
-    if settings.head_contexts > n_train:
-        raise NvgError(f"config grams: head_contexts = {settings.head_contexts} exceeds the {n_train} training windows")
     device = pick_device(settings.device)
     model = load_model(cmf, device)
     print(f"gram_capture: {computing_in(device, 'grams.precision', settings.precision)}", file=sys.stderr)
@@ -115,12 +86,8 @@ def main(model_path: Path, windows: Path, out: Path, settings: GramSettings) -> 
     sel = tokens[settings.fit_windows : settings.fit_windows + settings.sel_windows]
     g_fit, c_fit = capture(model, fit, device, settings.batch, settings.precision, "gram_capture FIT")
     g_sel, c_sel = capture(model, sel, device, settings.batch, settings.precision, "gram_capture SEL")
-    contexts = None
-    if settings.head_contexts:
-        window = tokens[: settings.head_contexts]
-        contexts = HeadContexts(*token_contexts(model, window, device, settings.batch, settings.precision), int(window.size))
     write_grams(out, g_fit, g_sel, c_fit, c_sel, {"model": str(model_path), "model_hash": model_hash(cmf), "windows_hash": attrs["tokens_blake2b"],
-                                                  "inputs": sorted(set(ROLE_INPUT.values())) + [HEAD_INPUT[1]]}, contexts)
+                                                  "inputs": sorted(set(ROLE_INPUT.values())) + [HEAD_INPUT[1]]})
     print(f"gram_capture: {len(g_fit)} Grams ({c_fit} FIT + {c_sel} SEL tokens) on {device} → {out}", file=sys.stderr)
 
 

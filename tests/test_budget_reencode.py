@@ -600,46 +600,6 @@ def test_the_refit_takes_a_metric_of_its_own_for_each_row():
                           least_squares_scales(W, H, codes, 32, 0.1, row_vectors=0 * V)[1])
 
 
-def test_embedding_context_refits_each_head_row_under_its_tokens_mean_context(tiny_stages, tiny_cmf, tmp_path, capsys,
-                                                                              monkeypatch):
-    """`encode.embedding_context` β with gram_capture's `head_contexts`: the q2tp head is the shrunk GPTQ start refitted
-    with row j under H + v_j v_jᵀ, v_j = sqrt(β·n)·m_j (`context_vectors`; that metric's mathematics:
-    test_the_refit_takes_a_metric_of_its_own_for_each_row), not the plain refit; the provenance records β; a Grams
-    file without contexts is one line naming the setting, before any encoding. (The tiny random teacher's contexts
-    are all about its mean hidden state, already in H: no lower error to show here; SmolLM2's: docs/quality.md.)"""
-    from nvg import budget_reencode, gram_capture
-    from nvg.artifacts import HEAD_INPUT, read_grams, read_head_contexts
-    from nvg.budget_reencode import cli, context_vectors, gptq_shrunk, refitted
-    from nvg.cmf import Q2TP, dense_tensor, tensor_to_numpy
-    from tests.conftest import fails_cleanly
-
-    grams = tmp_path / "grams.h5"
-    gram_capture.main(tiny_cmf, tiny_stages / "windows.h5", grams, load(gram_capture.GramSettings, head_contexts=48, device="cpu"))
-    name = "model.embed_tokens.weight"
-    W = tensor_to_numpy(read_cmf(tiny_cmf).tensors[name])
-    H_fit, H_sel, _, _ = read_grams(grams, *HEAD_INPUT)
-    start = gptq_shrunk(dense_tensor(name, W, Q2TP), W, H_fit, H_sel, 0.1)[0]
-    heads = {}
-    for beta in (0.0, 1.0):
-        main(tiny_cmf, grams, tmp_path / f"s{beta}.cmf", tmp_path / f"s{beta}.json",
-             load(EncodeSettings, bpw=2.0, embedding="q2tp", embedding_context=beta, device="cpu"))
-        student = read_cmf(tmp_path / f"s{beta}.cmf")
-        assert student.header["provenance"]["nvg_encode"]["embedding_context"] == beta
-        heads[beta] = bytes(student.tensors[name].data)
-    V = context_vectors(read_head_contexts(grams, *W.shape), H_fit, 1.0)
-    assert heads[0.0] == bytes(refitted(start, W, H_fit, 0.1, 3).data)
-    assert heads[1.0] == bytes(refitted(start, W, H_fit, 0.1, 3, row_vectors=V).data) != heads[0.0]
-
-    def never(*args, **kwargs):
-        raise AssertionError("a tensor was encoded before the contexts were read")
-
-    monkeypatch.setattr(budget_reencode, "encode_tensor", never)
-    out, report = tmp_path / "no.cmf", tmp_path / "no.json"
-    fails_cleanly(cli, ["--teacher", tiny_cmf, "--grams", tiny_stages / "grams.h5", "--out", out, "--report", report,
-                        "--settings", json.dumps({"bpw": 2.0, "embedding": "q2tp", "embedding_context": 1.0, "device": "cpu"})],
-                  capsys, f"{tiny_stages / 'grams.h5'}: no head_contexts", "set grams.head_contexts", [out, report])
-
-
 def test_coordinate_descent_treats_each_row_alone_across_its_row_chunks():
     """`descended_codes` takes rows in chunks (`row_chunk`: 1,024 on a CPU); rows never interact, so 2,500 rows at
     once (three chunks, the last one short) give each row the codes it gets alone, and the caller's codes stay."""

@@ -45,8 +45,8 @@ def settings(block, **extra):
 # The embedding / LM head settings that each encode.embedding format does not read (with a plan file, whose
 # lines may give either matrix any format, every one is read): left out of budget_reencode's params, so that
 # changing, say, embedding_bpw under an f16 embedding does not re-encode every linear for nothing.
-UNREAD_BY_EMBEDDING = {"f16": ("embedding_bpw", "embedding_damp", "embedding_shrink", "embedding_refit", "embedding_context"),
-                       "blr": ("embedding_damp", "embedding_shrink", "embedding_refit", "embedding_context")}
+UNREAD_BY_EMBEDDING = {"f16": ("embedding_bpw", "embedding_damp", "embedding_shrink", "embedding_refit"),
+                       "blr": ("embedding_damp", "embedding_shrink", "embedding_refit")}
 
 
 def encode_block():
