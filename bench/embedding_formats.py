@@ -9,13 +9,11 @@ The GPTQ rows use the head-input Gram of the run's Grams file (gram_capture's `h
 shrunk rows are what budget_reencode writes with `encode.embedding_shrink` (scales shrunk by the factor that
 errs least on the SEL Gram), the refit rows GPTQ's tensor after `encode.embedding_refit` rounds (least-squares
 group scales, then coordinate descent on the codes), the blr rows what it writes with `encode.embedding: blr`;
-then rows that try a GPTQ damping per row by the token's frequency in the training windows, and the refit with each
-row's metric H + β·m mᵀ, m the token's mean context under the teacher (`context_refit`; neither is in budget_reencode).
+the last rows try a GPTQ damping per row by the token's frequency in the training windows (not in budget_reencode).
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -111,37 +109,6 @@ def main(results: Path, only: str = "") -> None:
 
     rows |= {f"q2tp, GPTQ λ {damps} for tokens seen 0 / 1–3 / ≥ 4 times": lambda damps=damps: by_frequency(damps)
              for damps in ((0.03, 0.3, 1.0), (0.1, 0.3, 1.0), (0.1, 1.0, 3.0), (0.03, 0.1, 0.3))}
-
-    @functools.cache
-    def token_contexts():  # the teacher's probability-weighted mean final hidden state of each token, and its mass
-        Et, V, d = torch.from_numpy(E), E.shape[0], E.shape[1]
-        mass, weighted, square, n = torch.zeros(V, dtype=torch.float64), torch.zeros(V, d, dtype=torch.float64), 0.0, 0
-        with torch.no_grad():
-            for w in tokens[: int(attrs["n_train"])]:
-                h = model.hidden(torch.from_numpy(w[None].astype(np.int64)))[0].float()
-                p = torch.softmax(h @ Et.T, -1)
-                mass += p.sum(0).double()
-                weighted += (p.T @ h).double()
-                square, n = square + float((h.double() ** 2).sum()), n + len(h)
-        # the Gram's scale in tokens: H / count is the mean h hᵀ, so count · m mᵀ weighs a token's mean context as
-        # one token's h hᵀ is weighed in H
-        return (weighted / mass.clamp_min(1e-30)[:, None]).numpy(), mass.numpy(), float(np.trace(H)) / (square / n)
-
-    def context_refit(beta, prior):  # the shrunk GPTQ head refitted 3 rounds, row j under H + β·count·w_j·m_j m_jᵀ
-        means, mass, count = token_contexts()
-        weight = beta * count * (mass / (mass + prior) if prior else np.ones_like(mass))
-        if (True, 0) not in refits:  # the shrunk GPTQ start, shared with `refit`'s rows
-            refits[True, 0] = gptq_shrunk(dense_tensor("e", E, Q2TP), E, H, H_sel, 0.1)[0]
-        t = refitted(refits[True, 0], E, H, 0.1, 3, row_vectors=np.sqrt(weight)[:, None] * means)
-        return tensor_to_numpy(t), len(t.data)
-
-    # The KL's second-order cost of logit errors δ is ½ Σ_t Var_{p_t}(δ_t), whose row-j term is d_j (Σ_t p_tj h_t h_tᵀ) d_jᵀ:
-    # row j's error counts in the contexts where the teacher expects token j, where H counts every context alike.
-    # A rank-1 stand-in for that per-row Gram: H + β · count · m_j m_jᵀ, m_j the token's mean context; `prior`
-    # shrinks the rows of tokens whose total probability in the windows is below it (few contexts, a noisy mean).
-    rows |= {f"q2tp, GPTQ λ 0.1, shrunk scales, 3 refit rounds, each row also under its token's mean context (β {beta}"
-             f"{f', prior {prior}' if prior else ''})": lambda beta=beta, prior=prior: context_refit(beta, prior)
-             for beta, prior in ((0.3, 0), (1.0, 0), (3.0, 0), (1.0, 1.0))}
     print("| format | MB | relative squared error | held-out | python-docs | Britannica | as the head only: held-out | "
           "python-docs | Britannica |\n|---|---|---|---|---|---|---|---|---|")
     for name, make in rows.items():

@@ -52,22 +52,20 @@ def gptq_recoded(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, device="c
     return Tensor(q.name, q.dtype, q.shape, with_group_codes(q, codes))
 
 
-def refitted(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, rounds: int, device="cpu",
-             row_vectors: np.ndarray | None = None) -> Tensor:
+def refitted(q: Tensor, W: np.ndarray, H: np.ndarray, damp: float, rounds: int, device="cpu") -> Tensor:
     """`q` (group-scaled, groups within rows) after `rounds` of nvg/gptq.py's refit under H: its group scales
     by least squares (then as the format stores them: f16, or rungs of q4tp's / q2tp's refitted row ladders),
-    then two sweeps of coordinate descent on its codes at those stored scales. `row_vectors`: row r's metric
-    H + v_r v_rᵀ (bench/embedding_formats.py's `context_refit` study; the workflow passes none)."""
+    then two sweeps of coordinate descent on its codes at those stored scales."""
     rows, cols = W.shape
     round_codes = lambda x: nearest_code(x, CODE_RANGE[q.dtype])  # noqa: E731
     for _ in range(rounds):
         codes, _ = quant_groups(q)
         group = codes.shape[1]
-        flipped, scales = least_squares_scales(W, H, codes.reshape(rows, cols), group, damp, device, row_vectors)
+        flipped, scales = least_squares_scales(W, H, codes.reshape(rows, cols), group, damp, device)
         q = Tensor(q.name, q.dtype, q.shape, with_group_codes(q, np.rint(flipped).astype(np.int8).reshape(codes.shape)))
         q = Tensor(q.name, q.dtype, q.shape, with_group_scales(q, scales.reshape(-1).astype(np.float32)))
         _, stored = quant_groups(q)
-        new = descended_codes(W, H, flipped, stored.reshape(rows, -1), group, round_codes, damp, 2, device, row_vectors)
+        new = descended_codes(W, H, flipped, stored.reshape(rows, -1), group, round_codes, damp, 2, device)
         q = Tensor(q.name, q.dtype, q.shape, with_group_codes(q, np.rint(new).astype(np.int8).reshape(codes.shape)))
     return q
 

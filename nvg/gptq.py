@@ -69,29 +69,22 @@ def gptq_codes(W: np.ndarray, H: np.ndarray, scales: np.ndarray, group: int,
 
 
 def least_squares_scales(W: np.ndarray, H: np.ndarray, codes: np.ndarray, group: int, damp: float,
-                         device="cpu", row_vectors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                         device="cpu") -> tuple[np.ndarray, np.ndarray]:
     """Per row, the group scales s minimising (C s − w) H (C s − w)ᵀ with its codes C fixed (H damped as GPTQ's):
     one groups × groups system a row. Returns the codes with the groups whose best scale is negative negated, and
-    the scales [rows, groups], all ≥ 0. `row_vectors` [rows, cols] (optional): row r's metric is H + v_r v_rᵀ."""
+    the scales [rows, groups], all ≥ 0."""
     rows, cols = W.shape
     G = cols // group
     Hd = damped(H, damp, device)
     blocks = Hd.reshape(G, group, G, group).permute(0, 2, 1, 3)  # [g, h, i, j]: group g's columns against h's
     C = torch.from_numpy(np.asarray(codes, np.float64)).to(device).reshape(rows, G, group)
-    W64 = torch.from_numpy(np.asarray(W, np.float64)).to(device)
-    WH = (W64 @ Hd).reshape(rows, G, group)
-    V = None if row_vectors is None else torch.from_numpy(np.asarray(row_vectors, np.float64)).to(device)
+    WH = (torch.from_numpy(np.asarray(W, np.float64)).to(device) @ Hd).reshape(rows, G, group)
     scales = torch.empty(rows, G, dtype=torch.float64, device=device)
     chunk = max(1, 2**27 // (G * G * group))  # rows at a time: the [chunk, G, G, group] product in 1 GiB
     for r0 in range(0, rows, chunk):
         c = C[r0 : r0 + chunk]
         A = torch.einsum("rghj,rhj->rgh", torch.einsum("rgi,ghij->rghj", c, blocks), c)
         b = torch.einsum("rgi,rgi->rg", c, WH[r0 : r0 + chunk])
-        if V is not None:  # the rank-1 term: u_g = c_g · v_g, so A += u uᵀ and b += u (w · v)
-            v = V[r0 : r0 + chunk]
-            u = (c * v.reshape(c.shape)).sum(-1)
-            A = A + u[:, :, None] * u[:, None, :]
-            b = b + u * (W64[r0 : r0 + chunk] * v).sum(-1, keepdim=True)
         # a zero group (q2tp's all-zero rung) has a zero row and column: a small ridge keeps the system solvable
         ridge = 1e-9 * A.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-30)
         A = A + ridge[:, None, None] * torch.eye(G, dtype=torch.float64, device=device)
@@ -103,15 +96,13 @@ def least_squares_scales(W: np.ndarray, H: np.ndarray, codes: np.ndarray, group:
 
 def descended_codes(W: np.ndarray, H: np.ndarray, codes: np.ndarray, scales: np.ndarray, group: int,
                     round_codes: Callable[[torch.Tensor], torch.Tensor], damp: float, sweeps: int,
-                    device="cpu", row_vectors: np.ndarray | None = None) -> np.ndarray:
+                    device="cpu") -> np.ndarray:
     """`codes` [rows, cols] after `sweeps` passes of coordinate descent on (C·S − W) H (C·S − W)ᵀ (H damped as
     GPTQ's): column by column, every row's code moves to the allowed code nearest its optimum with the others
-    fixed, so no move raises the error; R = (C·S − W) H is kept by a rank-1 update a column. `row_vectors`
-    [rows, cols] (optional): row r's metric is H + v_r v_rᵀ, its residual R_r + ((C·S − W)_r · v_r) v_r."""
+    fixed, so no move raises the error; R = (C·S − W) H is kept by a rank-1 update a column."""
     s_all = torch.from_numpy(np.asarray(scales, np.float64)).to(device).repeat_interleave(group, dim=1)
     C_all = torch.tensor(np.asarray(codes), dtype=torch.float64, device=device)  # a copy: the moves never reach `codes`
     W_all = torch.from_numpy(np.asarray(W, np.float64)).to(device)
-    V_all = None if row_vectors is None else torch.from_numpy(np.asarray(row_vectors, np.float64)).to(device)
     Hd = damped(H, damp, device)
     diag = torch.diagonal(Hd)
     # each chunk of rows runs all its sweeps on its own, its residual in cache (`row_chunk`)
@@ -120,19 +111,11 @@ def descended_codes(W: np.ndarray, H: np.ndarray, codes: np.ndarray, scales: np.
         s = s_all[r0 : r0 + chunk]
         safe = torch.where(s > 0, s, torch.ones_like(s))
         C = C_all[r0 : r0 + chunk]  # a view: the moves land in C_all
-        D = C * s - W_all[r0 : r0 + chunk]
-        R = D @ Hd
-        V = None if V_all is None else V_all[r0 : r0 + chunk]
-        if V is not None:
-            R += (D * V).sum(1, keepdim=True) * V
+        R = (C * s - W_all[r0 : r0 + chunk]) @ Hd
         for _ in range(sweeps):
             for j in range(C.shape[1]):
-                curvature = diag[j] if V is None else diag[j] + V[:, j] ** 2
-                best = round_codes(C[:, j] - R[:, j] / (curvature * safe[:, j]))
+                best = round_codes(C[:, j] - R[:, j] / (diag[j] * safe[:, j]))
                 move = torch.where(s[:, j] > 0, best - C[:, j], 0.0)  # a zero-scale group's codes stay
-                step = move * s[:, j]
-                R += step[:, None] * Hd[j][None, :]
-                if V is not None:
-                    R += (step * V[:, j])[:, None] * V
+                R += (move * s[:, j])[:, None] * Hd[j][None, :]
                 C[:, j] += move
     return C_all.cpu().numpy()

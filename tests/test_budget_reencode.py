@@ -558,48 +558,6 @@ def test_coordinate_descent_never_raises_the_error_and_least_squares_scales_turn
     assert (fitted >= 0).all() and np.array_equal(turned, codes)
 
 
-def test_the_refit_takes_a_metric_of_its_own_for_each_row():
-    """With `row_vectors` V, row r's objective is (c s − w)(H + v_r v_rᵀ)(c s − w)ᵀ: `least_squares_scales` solves
-    each row's system as an explicit solve does, `descended_codes` never raises that objective, and zero vectors
-    give what no vectors give."""
-    from nvg.gptq import damped, descended_codes, least_squares_scales
-    from nvg.model import nearest_code
-
-    rng = np.random.default_rng(10)
-    rows, cols = 30, 64
-    W = rng.normal(size=(rows, cols))
-    X = rng.normal(size=(400, cols)) @ rng.normal(size=(cols, cols))
-    H = X.T @ X
-    Hd = damped(H, 0.1, "cpu").numpy()
-    V = 3 * rng.normal(size=(rows, cols)) * np.sqrt(np.diag(Hd).mean())
-    odd = lambda x: nearest_code(x, (-3, 3, 2))  # noqa: E731
-    codes = rng.choice([-3.0, -1.0, 1.0, 3.0], size=W.shape)
-
-    _, fitted = least_squares_scales(W, H, np.abs(codes), 32, 0.1, row_vectors=V)
-    for r in range(rows):
-        C = np.zeros((cols, 2))
-        C[:32, 0], C[32:, 1] = np.abs(codes[r, :32]), np.abs(codes[r, 32:])
-        M = Hd + np.outer(V[r], V[r])
-        assert np.allclose(np.abs(np.linalg.solve(C.T @ M @ C, C.T @ M @ W[r])), fitted[r], rtol=1e-6)
-
-    scales = np.abs(W).reshape(rows, 2, 32).max(-1) / 3
-
-    def err(c):  # each row under its own metric
-        D = c * np.repeat(scales, 32, axis=1) - W
-        return float(((D @ Hd) * D).sum() + ((D * V).sum(1) ** 2).sum())
-
-    errors = [err(codes)]
-    for _ in range(3):
-        codes = descended_codes(W, H, codes, scales, 32, odd, 0.1, 1, row_vectors=V)
-        errors.append(err(codes))
-    assert all(b <= a * (1 + 1e-12) for a, b in zip(errors, errors[1:])) and errors[-1] < 0.5 * errors[0]
-    plain = descended_codes(W, H, codes, scales, 32, odd, 0.1, 2)
-    assert not np.array_equal(plain, descended_codes(W, H, codes, scales, 32, odd, 0.1, 2, row_vectors=V))
-    assert np.array_equal(plain, descended_codes(W, H, codes, scales, 32, odd, 0.1, 2, row_vectors=0 * V))
-    assert np.array_equal(least_squares_scales(W, H, codes, 32, 0.1)[1],
-                          least_squares_scales(W, H, codes, 32, 0.1, row_vectors=0 * V)[1])
-
-
 def test_coordinate_descent_treats_each_row_alone_across_its_row_chunks():
     """`descended_codes` takes rows in chunks (`row_chunk`: 1,024 on a CPU); rows never interact, so 2,500 rows at
     once (three chunks, the last one short) give each row the codes it gets alone, and the caller's codes stay."""
