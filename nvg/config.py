@@ -25,6 +25,13 @@ def config_error(config: dict, schema_path: Path, files: list[str]) -> str | Non
         return f"{names}: {key}: {error.message}"
     train, defaults = config.get("train", {}), schema["properties"]["train"]["properties"]
     batch, gpus = (train.get(k, defaults[k]["default"]) for k in ("batch", "gpus"))
-    if batch % gpus:  # the one rule that spans two keys
+    if batch % gpus:
         return f"{names}: train.gpus: {gpus} does not divide train.batch {batch}"
+    # a text scored as unseen is never calibrated on (the same spelling of its path; a glob over it is not caught)
+    unseen = set(config.get("evaluate", {}).get("ood", schema["properties"]["evaluate"]["properties"]["ood"]["default"]))
+    calibration = [(f"data.sources[{i}].path", src["path"]) for i, src in enumerate(config.get("data", {}).get("sources", []))]
+    calibration.append(("generate_corpus.prompts", config.get("generate_corpus", {}).get("prompts", "")))
+    for key, path in calibration:
+        if path in unseen:
+            return f"{names}: {key}: {path} is also in evaluate.ood: a text scored as unseen must not be calibrated on"
     return None

@@ -3,7 +3,9 @@
 Each sequence starts from one first token, takes `greedy_prefix` argmax tokens, then samples at
 `temperature` (with optional `top_k` / `top_p`) up to `length` tokens. First tokens: `vocab` walks a
 seeded permutation of the whole vocabulary (special tokens left out), so every id starts a sequence
-before any repeats (LLM-QAT); `random` draws them uniformly. With `chat`, the decoder first reads the
+before any repeats (LLM-QAT); `random` draws them uniformly. With `prompts` (a text source), each sequence
+opens instead with `prompt_tokens` consecutive tokens of that text from a seeded place, which the teacher
+continues (teacher continuations of real text, as BitDistiller calibrates): the prompt is written too. With `chat`, the decoder first reads the
 teacher's chat template up to a user message's text (Magpie): the teacher then writes a user's request from
 that first token and, after its own end of turn, the answer, the text its instruct tuning made it fluent in;
 the opening is context, not written (`length` tokens from the first token on, as without it). Sequences are
@@ -34,7 +36,7 @@ from nvg.decoding import Decoder
 from nvg.errors import NvgError, exits_cleanly
 from nvg.model import load_model, pick_device
 from nvg.progress import bar
-from nvg.sources import ChatRenderer
+from nvg.sources import ChatRenderer, source_tokens
 from nvg.tokenizer import cmf_tokenizer
 from nvg.settings import SETTINGS_HELP, load
 
@@ -49,6 +51,8 @@ class CorpusSettings:
     shards: int
     first_token: str
     chat: bool
+    prompts: str
+    prompt_tokens: int
     greedy_prefix: int
     temperature: float
     top_k: int
@@ -71,6 +75,22 @@ def first_tokens(tok, vocab_size: int, settings: CorpusSettings) -> np.ndarray:
     return ids[order[: settings.sequences]]
 
 
+PROMPT_READ_MAX = 50_000_000  # tokens of a prompts source read at most (a cap on memory, not a sample)
+
+
+def prompt_starts(tok, cmf, settings: CorpusSettings) -> np.ndarray:
+    """Every sequence's opening (int64 [sequences, prompt_tokens]): consecutive token ids of the `prompts`
+    source from a seeded place, uniform over its tokens (a prompt may span two of its documents)."""
+    s = settings
+    ids = source_tokens(s.prompts, PROMPT_READ_MAX, tok, ChatRenderer(cmf, s.prompts))
+    if len(ids) < s.prompt_tokens:
+        raise NvgError(f"config generate_corpus.prompts: {s.prompts}: {len(ids)} tokens, fewer than prompt_tokens "
+                       f"{s.prompt_tokens}")
+    places = torch.randint(len(ids) - s.prompt_tokens + 1, (s.sequences,),
+                           generator=torch.Generator().manual_seed(s.seed)).numpy()
+    return ids.astype(np.int64)[places[:, None] + np.arange(s.prompt_tokens)]
+
+
 USER_TEXT = "\x00nvg user text\x00"  # where the template puts a user's words: no template writes this itself
 
 
@@ -85,23 +105,28 @@ def chat_opening(cmf, tok, source: Path) -> list[int]:
     return tok.encode(opening, add_special_tokens=False).ids
 
 
-def sample_sequences(decoder: Decoder, firsts: np.ndarray, opening: list[int], s: CorpusSettings,
+def sample_sequences(decoder: Decoder, starts: np.ndarray, opening: list[int], s: CorpusSettings,
                      label: str) -> np.ndarray:
-    """Sequences int32 [len(firsts), length], `decoder.batch` at a time: after the `opening` (context only),
-    the first token, `greedy_prefix` argmax tokens, then draws."""
+    """Sequences int32 [len(starts), length], `decoder.batch` at a time: after the `opening` (context only),
+    each row of `starts` (its first token, or its prompt), `greedy_prefix` argmax tokens, then draws."""
     batch, device = decoder.batch, decoder.device
-    start_pos = len(opening)
-    tokens = np.zeros((len(firsts), s.length), dtype=np.int32)
-    pb = bar(len(firsts), label, "seq")
-    for start in range(0, len(firsts), batch):
-        n = min(batch, len(firsts) - start)
-        first = torch.from_numpy(firsts[start : start + n]).to(device)
+    start_pos, given = len(opening), starts.shape[1]
+    tokens = np.zeros((len(starts), s.length), dtype=np.int32)
+    pb = bar(len(starts), label, "seq")
+    for start in range(0, len(starts), batch):
+        n = min(batch, len(starts) - start)
+        rows = torch.from_numpy(starts[start : start + n]).to(device)
+        rows = torch.cat([rows, rows[-1:].expand(batch - n, -1)])  # pad to the static batch; padding is dropped
         for pos, opening_id in enumerate(opening):  # fills the cache; what the teacher would write here is unused
             decoder.next_ids(torch.full((batch,), opening_id, device=device), pos, greedy=True)
-        tok = torch.cat([first, first[-1:].expand(batch - n)])  # pad to the static batch; padding is dropped
+        tok = rows[:, 0]
         seq = [tok]
         for t in range(s.length - 1):
-            tok = decoder.next_ids(tok, start_pos + t, greedy=t < s.greedy_prefix)
+            # inside the given start the teacher only fills its cache (greedy: no draw spends the RNG), after
+            # it the first greedy_prefix tokens are argmax
+            tok = decoder.next_ids(tok, start_pos + t, greedy=t < given - 1 + s.greedy_prefix)
+            if t + 1 < given:
+                tok = rows[:, t + 1]
             seq.append(tok)
         tokens[start : start + n] = torch.stack(seq, 1)[:n].cpu().numpy()
         pb.update(n)
@@ -120,13 +145,16 @@ def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None
     rows = shard_rows(s.sequences, shard, s.shards)
     if len(rows) == 0:
         raise NvgError(f"config generate_corpus.shards: {s.shards} shards for {s.sequences} sequences leaves shard {shard} empty")
-    firsts = first_tokens(tok, cmf.arch["vocab_size"], s)[rows]
+    if s.prompts and s.prompt_tokens >= s.length:
+        raise NvgError(f"config generate_corpus.prompt_tokens: {s.prompt_tokens} leaves nothing for the teacher to write "
+                       f"in sequences of length {s.length}")
+    starts = (prompt_starts(tok, cmf, s) if s.prompts else first_tokens(tok, cmf.arch["vocab_size"], s)[:, None])[rows]
     device = pick_device(s.device, shard)
     decoder = Decoder(load_model(cmf, device), min(s.batch, len(rows)), len(opening) + s.length, device,
                       s.precision, s.temperature, s.top_k, s.top_p)
     torch.manual_seed(s.seed * 100_003 + shard)  # the draws use the global RNG (inside a CUDA graph on the GPU)
     t0 = time.perf_counter()
-    tokens = sample_sequences(decoder, firsts, opening, s, f"generate_corpus shard {shard}")
+    tokens = sample_sequences(decoder, starts, opening, s, f"generate_corpus shard {shard}")
     digest = content_hash(tokens)
     write_corpus(out, tokens, {"teacher_hash": model_hash(cmf), "shard": shard, "settings": json.dumps(asdict(s)),
                                "tokens_blake2b": digest})

@@ -224,3 +224,36 @@ def test_a_chat_opening_conditions_the_text_and_is_not_written(tiny_cmf, tmp_pat
     fails_cleanly(generate_corpus.cli, ["--teacher", tmp_path / "base.cmf", "--shard", 0, "--out", tmp_path / "x.h5",
                                         "--settings", json.dumps({"chat": True})],
                   capsys, "generate_corpus.chat", "has no chat_template", [tmp_path / "x.h5"])
+
+
+def test_prompts_open_each_sequence_with_real_text_the_teacher_continues(tiny_cmf, tiny_corpus, tmp_path, capsys):
+    """With `prompts`, every sequence opens with `prompt_tokens` consecutive tokens of that text from a seeded
+    place (the same places in every shard split), then `greedy_prefix` argmax continuations of the whole prompt,
+    then draws. A source shorter than a prompt, and a prompt as long as the sequence, are refused by name."""
+    story = tiny_corpus / "story.txt"
+    s = load(CorpusSettings, sequences=6, length=24, batch=4, greedy_prefix=3, prompts=str(story), prompt_tokens=8)
+    cmf = read_cmf(tiny_cmf)
+    text = cmf_tokenizer(cmf, tiny_cmf, "test").encode(story.read_text(), add_special_tokens=False).ids
+    shards = []
+    for shard in range(2):
+        generate_corpus.main(tiny_cmf, shard, tmp_path / f"p.{shard}.h5", load(CorpusSettings, **{**s.__dict__, "shards": 2}))
+        shards.append(h5py.File(tmp_path / f"p.{shard}.h5", "r")["tokens"][...])
+    tokens = np.concatenate(shards)
+    whole = tmp_path / "whole.h5"
+    generate_corpus.main(tiny_cmf, 0, whole, s)
+    assert np.array_equal(h5py.File(whole, "r")["tokens"][:, :8], tokens[:, :8])  # the places do not depend on shards
+    joined = " ".join(map(str, text))
+    for row in tokens:
+        assert " ".join(map(str, row[:8])) in joined  # a run of the text's own tokens
+    assert len({tuple(r[:8]) for r in tokens}) == 6
+    with torch.no_grad():  # the greedy prefix continues the prompt
+        logits = load_model(tiny_cmf)(torch.from_numpy(tokens[:, :11]).long())
+    assert np.array_equal(logits[:, 7:10].argmax(-1).numpy(), tokens[:, 8:11])
+    short = tmp_path / "short.txt"
+    short.write_text("A few words.")
+    fails_cleanly(generate_corpus.cli, ["--teacher", tiny_cmf, "--shard", 0, "--out", tmp_path / "x.h5", "--settings",
+                                        json.dumps({"prompts": str(short), "prompt_tokens": 64})],
+                  capsys, "generate_corpus.prompts", "fewer than prompt_tokens 64", [tmp_path / "x.h5"])
+    fails_cleanly(generate_corpus.cli, ["--teacher", tiny_cmf, "--shard", 0, "--out", tmp_path / "x.h5", "--settings",
+                                        json.dumps({"prompts": str(story), "prompt_tokens": 24, "length": 24})],
+                  capsys, "generate_corpus.prompt_tokens", "leaves nothing", [tmp_path / "x.h5"])

@@ -228,6 +228,19 @@ def test_train_gpus_must_divide_the_batch():
     assert config_error(config, SCHEMA, ["c.yaml"]) == f"{Path('c.yaml').resolve()}: train.gpus: 3 does not divide train.batch 4"
 
 
+def test_a_text_scored_as_unseen_is_never_calibrated_on():
+    """An evaluate.ood text named as a calibration source or as generate_corpus.prompts is refused by key."""
+    names = Path("c.yaml").resolve()
+    config = json.loads(json.dumps(DEFAULT_CONFIG))
+    config["data"]["sources"] = [{"path": "generated", "weight": 0.7}, {"path": "python-docs", "weight": 0.3}]
+    assert config_error(config, SCHEMA, ["c.yaml"]) == (f"{names}: data.sources[1].path: python-docs is also in "
+                                                        "evaluate.ood: a text scored as unseen must not be calibrated on")
+    config["evaluate"]["ood"] = ["pkg:shksprdata/ancillary/britannica-11th.txt"]
+    assert config_error(config, SCHEMA, ["c.yaml"]) is None  # no longer scored, so free to calibrate on
+    config["generate_corpus"]["prompts"] = "pkg:shksprdata/ancillary/britannica-11th.txt"
+    assert config_error(config, SCHEMA, ["c.yaml"]).startswith(f"{names}: generate_corpus.prompts: pkg:shksprdata")
+
+
 def test_bad_config_stops_snakemake_with_one_line(tmp_path):
     config = json.loads(json.dumps(DEFAULT_CONFIG))
     config["train"]["batch"] = "four"

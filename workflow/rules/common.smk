@@ -69,6 +69,14 @@ def train_block():
     return block
 
 
+def corpus_block():
+    """The generate_corpus block as its step module reads it: first_token is unread when prompts open the
+    sequences, prompt_tokens when none do, so that changing either there reruns nothing."""
+    block = dict(config["generate_corpus"])
+    block.pop("first_token" if block["prompts"] else "prompt_tokens")
+    return block
+
+
 def nvg_sources(stage):
     """The step module's file and every nvg module it imports, transitively (the package's __init__
     runs for any of them): a code change reruns exactly the stages that run that code. Paths are

@@ -11,7 +11,7 @@ rule export:
     params:
         # the settings of every stage that shaped the model, recorded as provenance
         pipeline=json.dumps({**{k: v for k, v in config.items() if k != "evaluate"}, "encode": encode_block(),
-                             "train": train_block()},
+                             "train": train_block(), "generate_corpus": corpus_block()},
                             sort_keys=True),
     resources:
         mem_mb=4000,

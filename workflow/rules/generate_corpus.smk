@@ -12,7 +12,7 @@ rule generate_corpus:
     benchmark:
         "benchmarks/generate_corpus.{shard}.tsv"
     params:
-        settings=settings("generate_corpus"),
+        settings=json.dumps(corpus_block(), sort_keys=True),
     threads: TORCH_THREADS
     resources:
         gpu=1,
