@@ -276,6 +276,23 @@ def test_greedy_decoding_on_cuda_matches_the_cpu(tiny_cmf, monkeypatch):
     assert agree > 0.98, agree  # float32 on both; a near-tie may round the other way and change what follows
 
 
+def test_prompted_corpus_on_cuda_continues_the_prompts_as_the_cpu_does(tiny_cmf, tiny_corpus, tmp_path):
+    """generate_corpus with `prompts` on the graph-captured CUDA decoder: the same prompts as on the CPU, written
+    first, and (greedy throughout, float32) the same continuations but for a near-tie's rounding."""
+    import h5py
+
+    from nvg import generate_corpus
+
+    runs = {}
+    for device in ("cpu", "cuda"):
+        s = load(generate_corpus.CorpusSettings, sequences=6, length=48, batch=6, temperature=0.0, device=device,
+                 precision="fp32", prompts=str(tiny_corpus / "story.txt"), prompt_tokens=12)
+        generate_corpus.main(tiny_cmf, 0, tmp_path / f"{device}.h5", s)
+        runs[device] = h5py.File(tmp_path / f"{device}.h5", "r")["tokens"][...]
+    assert np.array_equal(runs["cuda"][:, :12], runs["cpu"][:, :12])
+    assert (runs["cuda"] == runs["cpu"]).mean() > 0.95
+
+
 def test_sampled_decoding_on_cuda_draws_the_same_tokens_from_two_cold_compiles(tiny_cmf):
     """generate_corpus's promise that one seed writes one corpus: the compiled sampling step, compiled
     twice from an empty inductor cache (what a fresh machine does), draws the same tokens; inductor's
