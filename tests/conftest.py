@@ -83,6 +83,7 @@ def tiny_cmf(tiny_hf, tmp_path_factory) -> Path:
 def tiny_corpus(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("corpus")
     (folder / "story.txt").write_text(corpus_text(6000, 1))
+    (folder / "essay.txt").write_text(corpus_text(1500, 3))  # scored as unseen, never calibrated on
     with open(folder / "chat.jsonl", "w") as f:
         for i in range(40):
             f.write(json.dumps({"messages": [{"role": "user", "content": corpus_text(24, 100 + i)},
@@ -207,7 +208,7 @@ def tiny_config(teacher: Path, corpus: Path) -> dict:
         "dtgma": {"keep": 0.5, "align": 8, "max_steps": 20, "eval_every": 5, "batch": 8},
         "reconstruct": {"steps": 3, "windows": 8, "batch": 4},
         "train": {"epochs": 2, "batch": 8, "lr": 0.005, "eval_every": 4, "state_every": 4, **TOPK_TARGETS},
-        "evaluate": {"batch": 8, "ood": [str(corpus / "story.txt")], "ood_tokens": 256},
+        "evaluate": {"batch": 8, "ood": [str(corpus / "essay.txt")], "ood_tokens": 256},
     }
 
 

@@ -84,6 +84,8 @@ def test_nothing_changed_runs_nothing(finished_run):
     (("evaluate", "batch", 4), {"evaluate", "report"}),
     (("data", "sources", "first-weight"), AFTER_DATA),
     (("generate_corpus", "temperature", 0.7), {"generate_corpus"} | AFTER_DATA),
+    (("generate_corpus", "prompt_tokens", 8), set()),  # unread while no prompts open the sequences
+    (("generate_corpus", "prompts", "the-first-source"), {"generate_corpus"} | AFTER_DATA),
     (("encode", "embedding_bpw", 2.0), set()),  # an f16 embedding reads none of the blr / GPTQ settings
     (("encode", "embedding_damp", 0.5), set()),
 ])
@@ -93,6 +95,8 @@ def test_a_setting_reruns_exactly_what_it_invalidates(finished_run, change, expe
     block, key, value = change
     if value == "first-weight":
         changed["data"]["sources"][0]["weight"] = 3.0
+    elif value == "the-first-source":
+        changed[block][key] = config["data"]["sources"][0]["path"]
     else:
         changed[block][key] = value
     assert planned_jobs(workdir, changed) == expected
