@@ -28,8 +28,10 @@ def config_error(config: dict, schema_path: Path, files: list[str]) -> str | Non
     if batch % gpus:
         return f"{names}: train.gpus: {gpus} does not divide train.batch {batch}"
     # a text scored as unseen is never calibrated on (the same spelling of its path; a glob over it is not caught)
-    unseen = set(config.get("evaluate", {}).get("ood", schema["properties"]["evaluate"]["properties"]["ood"]["default"]))
-    calibration = [(f"data.sources[{i}].path", src["path"]) for i, src in enumerate(config.get("data", {}).get("sources", []))]
+    ood_default = schema["properties"]["evaluate"]["properties"]["ood"]["default"]
+    unseen = set(config.get("evaluate", {}).get("ood", ood_default))
+    sources = config.get("data", {}).get("sources", [])
+    calibration = [(f"data.sources[{i}].path", src["path"]) for i, src in enumerate(sources)]
     calibration.append(("generate_corpus.prompts", config.get("generate_corpus", {}).get("prompts", "")))
     for key, path in calibration:
         if path in unseen:

@@ -5,10 +5,11 @@ Each sequence starts from one first token, takes `greedy_prefix` argmax tokens, 
 seeded permutation of the whole vocabulary (special tokens left out), so every id starts a sequence
 before any repeats (LLM-QAT); `random` draws them uniformly. With `prompts` (a text source), each sequence
 opens instead with `prompt_tokens` consecutive tokens of that text from a seeded place, which the teacher
-continues (teacher continuations of real text, as BitDistiller calibrates): the prompt is written too. With `chat`, the decoder first reads the
-teacher's chat template up to a user message's text (Magpie): the teacher then writes a user's request from
-that first token and, after its own end of turn, the answer, the text its instruct tuning made it fluent in;
-the opening is context, not written (`length` tokens from the first token on, as without it). Sequences are
+continues (teacher continuations of real text, as BitDistiller calibrates): the prompt is written too.
+With `chat`, the decoder first reads the teacher's chat template up to a user message's text (Magpie): the
+teacher then writes a user's request from that first token and, after its own end of turn, the answer, the
+text its instruct tuning made it fluent in; the opening is context, not written (`length` tokens from the
+first token on, as without it). Sequences are
 split into `shards` independent jobs (as the teacher pass is), each seeded by (seed, shard). The output is
 token ids, never text: no decode and re-tokenize round trip. `tokenize_windows` cuts them into windows when
 `data.sources` names `generated`. Decoding is batched with a static KV cache (`nvg/decoding.py`),
@@ -148,7 +149,8 @@ def main(teacher: Path, shard: int, out: Path, settings: CorpusSettings) -> None
     if s.prompts and s.prompt_tokens >= s.length:
         raise NvgError(f"config generate_corpus.prompt_tokens: {s.prompt_tokens} leaves nothing for the teacher to write "
                        f"in sequences of length {s.length}")
-    starts = (prompt_starts(tok, cmf, s) if s.prompts else first_tokens(tok, cmf.arch["vocab_size"], s)[:, None])[rows]
+    starts = prompt_starts(tok, cmf, s) if s.prompts else first_tokens(tok, cmf.arch["vocab_size"], s)[:, None]
+    starts = starts[rows]  # drawn for every sequence, then this shard's: the same places however it is split
     device = pick_device(s.device, shard)
     decoder = Decoder(load_model(cmf, device), min(s.batch, len(rows)), len(opening) + s.length, device,
                       s.precision, s.temperature, s.top_k, s.top_p)
