@@ -37,7 +37,7 @@ from nvg.decoding import Decoder
 from nvg.errors import NvgError, exits_cleanly
 from nvg.model import load_model, pick_device
 from nvg.progress import bar
-from nvg.sources import ChatRenderer, source_tokens
+from nvg.sources import ChatRenderer, source_draw_tokens
 from nvg.tokenizer import cmf_tokenizer
 from nvg.settings import SETTINGS_HELP, load
 
@@ -76,14 +76,11 @@ def first_tokens(tok, vocab_size: int, settings: CorpusSettings) -> np.ndarray:
     return ids[order[: settings.sequences]]
 
 
-PROMPT_READ_MAX = 50_000_000  # tokens of a prompts source read at most (a cap on memory, not a sample)
-
-
 def prompt_starts(tok, cmf, settings: CorpusSettings) -> np.ndarray:
     """Every sequence's opening (int64 [sequences, prompt_tokens]): consecutive token ids of the `prompts`
-    source from a seeded place, uniform over its tokens (a prompt may span two of its documents)."""
+    source from a seeded place, uniform over the tokens read (a prompt may span two of its documents)."""
     s = settings
-    ids = source_tokens(s.prompts, PROMPT_READ_MAX, tok, ChatRenderer(cmf, s.prompts))
+    ids = source_draw_tokens(s.prompts, s.sequences * s.prompt_tokens, tok, ChatRenderer(cmf, s.prompts))
     if len(ids) < s.prompt_tokens:
         raise NvgError(f"config generate_corpus.prompts: {s.prompts}: {len(ids)} tokens, fewer than prompt_tokens "
                        f"{s.prompt_tokens}")

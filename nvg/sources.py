@@ -143,6 +143,21 @@ def source_tokens(spec: str, budget: int, tokenizer, render_chat) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
+# A real source to draw from (tokenize_windows' windows, generate_corpus' prompts) is read up to SOURCE_READ_FACTOR
+# times the tokens drawn, and at least SOURCE_READ_MIN tokens (a few seconds of tokenizing), and the draw is taken
+# from across all of that. Taken from its start, a small share
+# went to the first file alone: in session 37 a 30 % share of the CPU job (17 windows) from ten GNU manuals was the
+# first pages of one, which helped or hurt by which one it was; drawn from across them, the share brought
+# python-docs 33-42 % closer on two seeds (docs/quality.md). The bounds keep a huge source from being read whole.
+SOURCE_READ_FACTOR = 64
+SOURCE_READ_MIN = 1 << 21
+
+
+def source_draw_tokens(spec: str, budget: int, tokenizer, render_chat) -> np.ndarray:
+    """The tokens of a source that a draw of `budget` tokens is taken from across (see the bounds above)."""
+    return source_tokens(spec, max(SOURCE_READ_FACTOR * budget, SOURCE_READ_MIN), tokenizer, render_chat)
+
+
 def split_budget(weights: list[float], total: int) -> list[int]:
     """`total` tokens shared by weight; the rounding remainder goes to the first sources."""
     w = np.asarray(weights, dtype=np.float64)

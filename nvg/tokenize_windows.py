@@ -28,7 +28,7 @@ from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.hash64 import hash64, hex16
 from nvg.settings import SETTINGS_HELP, load
-from nvg.sources import GENERATED, ChatRenderer, source_tokens, split_budget
+from nvg.sources import GENERATED, ChatRenderer, source_draw_tokens, split_budget
 from nvg.tokenizer import cmf_tokenizer
 
 
@@ -44,24 +44,16 @@ class WindowSettings:
     seed: int
 
 
-# A real source is read up to SOURCE_READ_FACTOR times its share of tokens, and at least SOURCE_READ_MIN tokens
-# (a few seconds of tokenizing), and its windows are drawn from all of that. Taken from its start, a small share
-# went to the first file alone: in session 37 a 30 % share of the CPU job (17 windows) from ten GNU manuals was the
-# first pages of one, which helped or hurt by which one it was; drawn from across them, the share brought
-# python-docs 33-42 % closer on two seeds (docs/quality.md). The bounds keep a huge source from being read whole.
-SOURCE_READ_FACTOR = 64
-SOURCE_READ_MIN = 1 << 21
-
 
 def source_windows(spec: str, budget: int, window: int, tokenizer, render_chat, generated: np.ndarray | None,
                    rng: np.random.Generator) -> np.ndarray:
     """Up to `budget` tokens of one source as [n, window] windows. A real source's windows are a draw (`rng`)
-    from across the first max(SOURCE_READ_FACTOR × `budget`, SOURCE_READ_MIN) of its tokens, kept in their
+    from across the first `source_draw_tokens(spec, budget, …)` of its tokens, kept in their
     order. Generated sequences (already independent draws) at least a window long are cut one by one (a window
     never spans two of them); shorter ones are packed end to end, several to a window, as pretraining packs
     documents (each still starts from its own first token)."""
     if spec != GENERATED:
-        ids = source_tokens(spec, max(SOURCE_READ_FACTOR * budget, SOURCE_READ_MIN), tokenizer, render_chat)
+        ids = source_draw_tokens(spec, budget, tokenizer, render_chat)
         n = len(ids) // window
         windows = ids[: n * window].reshape(n, window)
         keep = budget // window
