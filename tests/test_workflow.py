@@ -182,6 +182,45 @@ def test_editing_a_module_reruns_exactly_the_stages_that_run_it(finished_run):
     assert planned_jobs(workdir, config) == set()
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("story.txt", AFTER_DATA),  # calibrated on (data.sources)
+    ("essay.txt", {"evaluate", "report"}),  # scored as unseen (evaluate.ood)
+])
+def test_editing_a_text_reruns_exactly_the_stages_that_read_it(finished_run, tiny_corpus, text, expected):
+    """A text's path is in the params, its content is not: its files are the reading stage's inputs, so an edit
+    under the same path reruns that stage and what follows, as a changed setting does."""
+    import os
+
+    workdir, config = finished_run
+    path = tiny_corpus / text
+    raw, st = path.read_bytes(), path.stat()
+    path.write_bytes(raw + b"One more sentence of the same text.\n")
+    try:
+        assert planned_jobs(workdir, config) == expected
+    finally:
+        path.write_bytes(raw)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert planned_jobs(workdir, config) == set()
+
+
+@pytest.mark.parametrize("key", ["data.sources", "generate_corpus.prompts", "evaluate.ood"])
+def test_a_text_source_that_finds_nothing_is_one_line_before_any_job(finished_run, tmp_path, key):
+    workdir, config = finished_run
+    changed = copy.deepcopy(config)
+    missing = str(tmp_path / "nowhere" / "*.txt")
+    block, name = key.split(".")
+    if name == "sources":
+        changed["data"]["sources"].append({"path": missing, "weight": 1.0})
+    elif name == "prompts":
+        changed[block][name] = missing
+    else:
+        changed[block][name] = [missing]
+    out = snakemake(workdir, changed, "-n", check=False)
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: config {key}: {missing}: no .txt/.md/.rst/.info/.jsonl/.json files (or .gz of them) in this source"], out.stderr
+
+
 def test_a_real_rerun_with_a_live_teacher_and_another_learning_rate(finished_run):
     workdir, config = finished_run
     changed = copy.deepcopy(config)
