@@ -111,11 +111,10 @@ class Distiller:
 
     def __init__(self, model, targets: Targets, device, *, batch: int, precision: str, tail: bool = False,
                  recompute_every: int = 0, group: Group = Group(), teacher=None, hidden_weight: float = 0.0,
-                 reverse_kl: float = 0.0, train_group_scales: bool = True, teacher_memo_bytes: int = TEACHER_MEMO_BYTES):
+                 train_group_scales: bool = True, teacher_memo_bytes: int = TEACHER_MEMO_BYTES):
         self.model, self.targets, self.device, self.group = model, targets, device, group
         self.batch_size, self.precision, self.tail = batch, precision, tail
         self.teacher, self.hidden_weight = teacher, hidden_weight  # a live teacher: see the module docstring
-        self.reverse_kl = reverse_kl  # the live KL's reverse share in training (`losses.full_kl`)
         self._teacher_memo = {} if teacher is not None and self._teacher_bytes() <= teacher_memo_bytes else None
         self.params = trainable(model, train_group_scales)
         # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
@@ -175,11 +174,10 @@ class Distiller:
 
     def loss(self, rows) -> torch.Tensor:
         """Mean per-token loss over `rows`: the KL, plus the hidden-state term when training against a
-        live teacher (the held-out evaluation, without gradient, is the forward KL alone)."""
+        live teacher (the held-out evaluation, without gradient, is the KL alone)."""
         ids = torch.from_numpy(self.targets.tokens[rows]).to(self.device)
         training = torch.is_grad_enabled()
         recompute = self.recompute_every if training else 0
-        reverse = self.reverse_kl if training else 0.0
         # cached(): a group-scaled embedding tied to the head is built from its codes and scales once a
         # step, for the lookup and the logits alike, instead of once for each
         with autocast(self.device, self.precision), parametrize.cached():
@@ -192,10 +190,9 @@ class Distiller:
                 t_hidden = self.teacher.model.norm(t_res[-1]) if self.hidden_weight > 0 else t_res[0]
             if not (training and self.hidden_weight > 0):
                 hidden = self.model.hidden(ids, recompute)
-                return full_kl(hidden, self.model.head_weight, t_hidden, self.teacher.head_weight, reverse=reverse) / ids.numel()
+                return full_kl(hidden, self.model.head_weight, t_hidden, self.teacher.head_weight) / ids.numel()
             res = list(self.model.residuals(ids, recompute))
-            kl = full_kl(self.model.model.norm(res[-1]), self.model.head_weight, t_hidden, self.teacher.head_weight,
-                         reverse=reverse)
+            kl = full_kl(self.model.model.norm(res[-1]), self.model.head_weight, t_hidden, self.teacher.head_weight)
             return kl / ids.numel() + self.hidden_weight * hidden_mse(res, t_res)
 
     def step(self, rows, opt, lr_factor: float, gscale: float, *, lr: float, clip: float) -> dict:

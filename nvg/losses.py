@@ -109,28 +109,22 @@ def topk_kl(hidden, head, t_ids, t_logp, tail: bool = False, chunk: int = DEFAUL
     return total
 
 
-def _full_kl_block(h, head, t_h, t_head, reverse: float):
+def _full_kl_block(h, head, t_h, t_head):
     log_ps = torch.log_softmax(_logits(h, head), -1)
     log_pt = torch.log_softmax(_logits(t_h, t_head), -1)
-    forward = (log_pt.exp() * (log_pt - log_ps)).sum()
-    if reverse == 0:
-        return forward
-    return (1 - reverse) * forward + reverse * (log_ps.exp() * (log_ps - log_pt)).sum()
+    return (log_pt.exp() * (log_pt - log_ps)).sum()
 
 
-def full_kl(hidden, head, t_hidden, t_head, chunk: int = DEFAULT_CHUNK, reverse: float = 0.0) -> torch.Tensor:
+def full_kl(hidden, head, t_hidden, t_head, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """Sum over tokens of KL(teacher ‖ student) over the whole vocabulary, from both models' final
     hidden states (the live teacher's, without gradient); differentiable, chunked, on CUDA with checkpointing:
-    backward recomputes both chunks' logits instead of keeping two [tokens, vocab] float32 blocks.
-    `reverse` r mixes in the reverse divergence: (1 − r)·KL(teacher ‖ student) + r·KL(student ‖ teacher),
-    BitDistiller's confidence-aware KL with r fixed (the reverse term seeks the teacher's modes, the
-    forward one covers its mass)."""
+    backward recomputes both chunks' logits instead of keeping two [tokens, vocab] float32 blocks."""
     h = hidden.reshape(-1, hidden.shape[-1])
     t_h = t_hidden.reshape(-1, t_hidden.shape[-1]).detach()
     total = hidden.new_zeros((), dtype=torch.float32)
     block = _on_device(_full_kl_block, h)
     for s in range(0, h.shape[0], chunk):
-        total = total + _differentiable(block, (h[s : s + chunk], head, t_h[s : s + chunk], t_head, reverse), h, head)
+        total = total + _differentiable(block, (h[s : s + chunk], head, t_h[s : s + chunk], t_head), h, head)
     return total
 
 

@@ -66,7 +66,6 @@ class TrainSettings:
     stop_after: int | None
     targets: str
     hidden_weight: float
-    reverse_kl: float
     tail: bool
     precision: str
     seed: int
@@ -83,8 +82,6 @@ class TrainSettings:
         check(self.targets == "live" or self.signs.init == "uniform", "train", "signs.init",
               "margin needs targets: live (the margins come from the live teacher's weights)")
         check(self.targets == "topk" or not self.tail, "train", "tail", "applies to targets: topk only (live targets have the whole vocabulary)")
-        check(self.targets == "live" or self.reverse_kl == 0, "train", "reverse_kl",
-              "applies to targets: live only (the cached top-k has no teacher probability for the student's other tokens)")
 
 
 def state_settings(settings: TrainSettings) -> dict:
@@ -197,7 +194,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     d = Distiller(compile_blocks(model), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
                   teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight if live else 0.0,
-                  reverse_kl=s.reverse_kl, train_group_scales=s.group_scale_lr > 0)
+                  train_group_scales=s.group_scale_lr > 0)
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
     say(f"train_student: {computing_in(device, 'train.precision', s.precision)}")
@@ -331,7 +328,7 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
             "teacher": teacher_name, "windows_hash": d.targets.windows_hash, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
             "lr": s.lr, "lr_relative": s.lr_relative, "group_scale_lr": s.group_scale_lr, "group_code_lr": s.group_code_lr,
             **({"group_codes_changed": codes_changed(d.model)} if s.group_code_lr > 0 else {}), "targets": s.targets, "steps": st.done,
-            **({"hidden_weight": s.hidden_weight, "reverse_kl": s.reverse_kl} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
+            **({"hidden_weight": s.hidden_weight} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,
             "tail": s.tail, "precision": s.precision, "computed_in": compute_precision(d.device, s.precision), "processes": run.group.world, "evals": st.evals,
             **{mode.name: mode.provenance() for mode in d.modes},
