@@ -10,6 +10,9 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from nvg.errors import NvgError
+from nvg.sources import GENERATED, PYTHON_DOCS, source_files
+
 # The one source of every setting's default and bounds: the workflow validates config.yaml against it,
 # and nvg.settings builds each step module's settings from it.
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow/schemas/config.schema.yaml"
@@ -27,13 +30,30 @@ def config_error(config: dict, schema_path: Path, files: list[str]) -> str | Non
     batch, gpus = (train.get(k, defaults[k]["default"]) for k in ("batch", "gpus"))
     if batch % gpus:
         return f"{names}: train.gpus: {gpus} does not divide train.batch {batch}"
-    # a text scored as unseen is never calibrated on (the same spelling of its path; a glob over it is not caught)
+    # a text scored as unseen is never calibrated on: by the same spelling, or by a file that both read (a glob or
+    # folder over an ood file)
     ood_default = schema["properties"]["evaluate"]["properties"]["ood"]["default"]
-    unseen = set(config.get("evaluate", {}).get("ood", ood_default))
+    unseen = list(config.get("evaluate", {}).get("ood", ood_default))
+    unseen_files = {f: spec for spec in unseen for f in _files(spec)}
     sources = config.get("data", {}).get("sources", [])
     calibration = [(f"data.sources[{i}].path", src["path"]) for i, src in enumerate(sources)]
     calibration.append(("generate_corpus.prompts", config.get("generate_corpus", {}).get("prompts", "")))
     for key, path in calibration:
         if path in unseen:
             return f"{names}: {key}: {path} is also in evaluate.ood: a text scored as unseen must not be calibrated on"
+        shared = sorted(f for f in _files(path) if f in unseen_files)
+        if shared:
+            return (f"{names}: {key}: {path} reads {shared[0]}, which evaluate.ood scores as unseen "
+                    f"({unseen_files[shared[0]]}): a text scored as unseen must not be calibrated on")
     return None
+
+
+def _files(spec: str) -> set[str]:
+    """The resolved files a text source reads; none for `generated`, `python-docs` and a source that finds
+    nothing (the workflow reports that one by its key before any job)."""
+    if spec in (GENERATED, PYTHON_DOCS, ""):
+        return set()
+    try:
+        return {str(f.resolve()) for f in source_files(spec)}
+    except NvgError:
+        return set()

@@ -229,7 +229,8 @@ def test_train_gpus_must_divide_the_batch():
 
 
 def test_a_text_scored_as_unseen_is_never_calibrated_on():
-    """An evaluate.ood text named as a calibration source or as generate_corpus.prompts is refused by key."""
+    """An evaluate.ood text named as a calibration source or as generate_corpus.prompts, or read by one through a
+    glob or its folder, is refused by key."""
     names = Path("c.yaml").resolve()
     config = json.loads(json.dumps(DEFAULT_CONFIG))
     config["data"]["sources"] = [{"path": "generated", "weight": 0.7}, {"path": "python-docs", "weight": 0.3}]
@@ -239,6 +240,14 @@ def test_a_text_scored_as_unseen_is_never_calibrated_on():
     assert config_error(config, SCHEMA, ["c.yaml"]) is None  # no longer scored, so free to calibrate on
     config["generate_corpus"]["prompts"] = "pkg:shksprdata/ancillary/britannica-11th.txt"
     assert config_error(config, SCHEMA, ["c.yaml"]).startswith(f"{names}: generate_corpus.prompts: pkg:shksprdata")
+    config["generate_corpus"]["prompts"] = "pkg:shksprdata/ancillary/*.txt"  # a glob over it
+    britannica = resolve_path("pkg:shksprdata/ancillary/britannica-11th.txt").resolve()
+    assert config_error(config, SCHEMA, ["c.yaml"]) == (
+        f"{names}: generate_corpus.prompts: pkg:shksprdata/ancillary/*.txt reads {britannica}, which evaluate.ood scores "
+        "as unseen (pkg:shksprdata/ancillary/britannica-11th.txt): a text scored as unseen must not be calibrated on")
+    config["generate_corpus"]["prompts"] = ""
+    config["data"]["sources"][1]["path"] = str(britannica.parent)  # the folder it is in
+    assert config_error(config, SCHEMA, ["c.yaml"]).startswith(f"{names}: data.sources[1].path: {britannica.parent} reads {britannica}")
 
 
 def test_bad_config_stops_snakemake_with_one_line(tmp_path):
