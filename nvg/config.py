@@ -13,10 +13,6 @@ import yaml
 from nvg.errors import NvgError
 from nvg.sources import GENERATED, PYTHON_DOCS, source_files
 
-# The one source of every setting's default and bounds: the workflow validates config.yaml against it,
-# and nvg.settings builds each step module's settings from it.
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow/schemas/config.schema.yaml"
-
 
 def config_error(config: dict, schema_path: Path, files: list[str]) -> str | None:
     """`<files>: <dotted.key>: <problem>` for the most relevant schema violation, or None when valid."""

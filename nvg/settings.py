@@ -13,11 +13,16 @@ import functools
 import json
 import typing
 
+from pathlib import Path
+
 import jsonschema
 import yaml
 
-from nvg.config import SCHEMA_PATH
 from nvg.errors import NvgError
+
+# The one source of every setting's default and bounds: the workflow validates config.yaml against it
+# (nvg.config, which every stage need not import), and `load` builds each step module's settings from it.
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow/schemas/config.schema.yaml"
 
 SETTINGS_HELP = "this stage's config block as JSON (keys, defaults and bounds: workflow/schemas/config.schema.yaml)"
 

@@ -7,9 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from nvg.config import SCHEMA_PATH, config_error
+from nvg.config import config_error
 from nvg.errors import NvgError
-from nvg.settings import with_schema_defaults
+from nvg.settings import SCHEMA_PATH, with_schema_defaults
 from nvg.sources import GENERATED, PYTHON_DOCS, resolve_path, source_files
 
 # One line naming the file, the key and the problem, before any job; then the schema's defaults fill in
