@@ -144,5 +144,3 @@ def reconstruct_block(block, x: torch.Tensor, y: torch.Tensor, cos, sin, *, step
                           "spikes": sign_stats["spikes"], "grad_clipped": sign_fit["grad_clipped"],
                           "guards": sign_fit["guards"], "dropped": signs_dropped}
     return stats, out
-
-# an edit
