@@ -11,7 +11,7 @@ import jsonschema
 import yaml
 
 from nvg.errors import NvgError
-from nvg.sources import GENERATED, PYTHON_DOCS, source_files
+from nvg.sources import text_files
 
 
 def config_error(config: dict, schema_path: Path, files: list[str]) -> str | None:
@@ -45,11 +45,9 @@ def config_error(config: dict, schema_path: Path, files: list[str]) -> str | Non
 
 
 def _files(spec: str) -> set[str]:
-    """The resolved files a text source reads; none for `generated`, `python-docs` and a source that finds
-    nothing (the workflow reports that one by its key before any job)."""
-    if spec in (GENERATED, PYTHON_DOCS, ""):
-        return set()
+    """The resolved files a text source reads; none for a source that finds nothing (the workflow reports that
+    one by its key before any job)."""
     try:
-        return {str(f.resolve()) for f in source_files(spec)}
+        return {str(f.resolve()) for f in text_files(spec)}
     except NvgError:
         return set()

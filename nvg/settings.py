@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 import typing
-
 from pathlib import Path
 
 import jsonschema

@@ -76,6 +76,12 @@ def source_files(spec: str) -> list[Path]:
     return files
 
 
+def text_files(spec: str) -> list[Path]:
+    """The files a text source reads: none for `generated` (token ids from generate_corpus), `python-docs` (inside
+    CPython) and "" (no source); what the workflow makes a stage's inputs and compares between keys."""
+    return [] if spec in (GENERATED, PYTHON_DOCS, "") else source_files(spec)
+
+
 def file_texts(path: Path, render_chat: ChatRenderer):
     """Yield the documents of one file as strings."""
     if path.suffix == ".gz":

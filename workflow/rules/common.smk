@@ -10,7 +10,7 @@ from pathlib import Path
 from nvg.config import config_error
 from nvg.errors import NvgError
 from nvg.settings import SCHEMA_PATH, with_schema_defaults
-from nvg.sources import GENERATED, PYTHON_DOCS, resolve_path, source_files
+from nvg.sources import GENERATED, resolve_path, text_files
 
 # One line naming the file, the key and the problem, before any job; then the schema's defaults fill in
 # every key left out.
@@ -109,17 +109,15 @@ def teacher_source():
     return str(path)
 
 
-def text_files(key, specs):
+def text_inputs(key, specs):
     """The files the text sources `specs` (config `key`: data.sources, generate_corpus.prompts, evaluate.ood) read,
     as inputs of the stage reading them, so that an edited, added or removed file reruns it as a changed setting
-    does (a source's path alone, in params, would not see its text change). `generated` and `python-docs` are not
-    files. One error line before any job when a source finds nothing."""
+    does (a source's path alone, in params, would not see its text change). One error line before any job when a
+    source finds nothing."""
     files = set()
     for spec in specs:
-        if spec in (GENERATED, PYTHON_DOCS, ""):
-            continue
         try:
-            files.update(str(f) for f in source_files(spec))
+            files.update(str(f) for f in text_files(spec))
         except NvgError as e:
             sys.stderr.write(f"error: config {key}: {e}\n")
             sys.exit(2)

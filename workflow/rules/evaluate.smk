@@ -5,7 +5,7 @@ rule evaluate:
         **reconstructed_student(),
         final="results/model.cmf",
         windows="results/data/windows.h5",
-        ood=text_files("evaluate.ood", config["evaluate"]["ood"]),
+        ood=text_inputs("evaluate.ood", config["evaluate"]["ood"]),
         code=nvg_sources("evaluate"),
     output:
         report="results/eval.json",

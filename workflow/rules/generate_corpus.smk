@@ -2,7 +2,7 @@
 rule generate_corpus:
     input:
         teacher="results/teacher.cmf",
-        prompts=text_files("generate_corpus.prompts", [config["generate_corpus"]["prompts"]]),
+        prompts=text_inputs("generate_corpus.prompts", [config["generate_corpus"]["prompts"]]),
         code=nvg_sources("generate_corpus"),
     output:
         corpus="results/corpus/generated.{shard}.h5",

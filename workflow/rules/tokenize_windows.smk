@@ -3,7 +3,7 @@ rule tokenize_windows:
     input:
         teacher="results/teacher.cmf",
         generated=generated_corpus(),
-        texts=text_files("data.sources", [src["path"] for src in config["data"]["sources"]]),
+        texts=text_inputs("data.sources", [src["path"] for src in config["data"]["sources"]]),
         code=nvg_sources("tokenize_windows"),
     output:
         windows="results/data/windows.h5",
