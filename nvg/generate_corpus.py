@@ -9,10 +9,9 @@ continues (teacher continuations of real text, as BitDistiller calibrates): the 
 With `chat`, the decoder first reads the teacher's chat template up to a user message's text (Magpie): the
 teacher then writes a user's request from that first token and, after its own end of turn, the answer, the
 text its instruct tuning made it fluent in; the opening is context, not written (`length` tokens from the
-first token on, as without it). Sequences are
-split into `shards` independent jobs (as the teacher pass is), each seeded by (seed, shard). The output is
-token ids, never text: no decode and re-tokenize round trip. `tokenize_windows` cuts them into windows when
-`data.sources` names `generated`. Decoding is batched with a static KV cache (`nvg/decoding.py`),
+first token on, as without it). Sequences are split into `shards` independent jobs (as the teacher pass
+is), each seeded by (seed, shard). The output is token ids, never text: no decode and re-tokenize round trip.
+`tokenize_windows` cuts them into windows when `data.sources` names `generated`. Decoding is batched with a static KV cache (`nvg/decoding.py`),
 compiled and replayed as a CUDA graph on the GPU, eager on the CPU.
 
     python -m nvg.generate_corpus --teacher T.cmf --shard 0 --out corpus/generated.0.h5 --settings JSON

@@ -44,7 +44,6 @@ class WindowSettings:
     seed: int
 
 
-
 def source_windows(spec: str, budget: int, window: int, tokenizer, render_chat, generated: np.ndarray | None,
                    rng: np.random.Generator) -> np.ndarray:
     """Up to `budget` tokens of one source as [n, window] windows. A real source's windows are a draw (`rng`)
