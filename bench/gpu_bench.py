@@ -20,7 +20,9 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
                                                             # train_student (random weights), beside the dense
                                                             # transformers one, with MFU (--profile: and where each
                                                             # mode's time goes); --shapes SmolLM2-135M
-                                                            # Llama-3.2-1B-shaped --batch 16 8: both shapes
+                                                            # Llama-3.2-1B-shaped --batch 16 8: both shapes;
+                                                            # --plan-log LOG: a pipeline's mixed plan;
+                                                            # --compile-mode reduce-overhead: CUDA graphs
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import time
 
 import numpy as np
@@ -139,18 +142,40 @@ def hf_model(cfg: ModelConfig, state: dict | None) -> LlamaForCausalLM:
     return model.eval()
 
 
-def random_blr(d_out: int, d_in: int, bpw: float, rng) -> codec.BlrTensor:
-    r = codec.max_rank(bpw, 2, d_out, d_in)
+def random_blr(d_out: int, d_in: int, paths: int, rank: int, rng) -> codec.BlrTensor:
     return codec.BlrTensor.from_factors([
-        (rng.uniform(0.5, 1.5, d_out) * 0.05, rng.uniform(0.5, 1.5, d_in), rng.uniform(0.5, 1.5, r) * 0.05,
-         rng.choice([-1.0, 1.0], (d_out, r)), rng.choice([-1.0, 1.0], (r, d_in))) for _ in range(2)])
+        (rng.uniform(0.5, 1.5, d_out) * 0.05, rng.uniform(0.5, 1.5, d_in), rng.uniform(0.5, 1.5, rank) * 0.05,
+         rng.choice([-1.0, 1.0], (d_out, rank)), rng.choice([-1.0, 1.0], (rank, d_in))) for _ in range(paths)])
 
 
-def blr_student(cfg: ModelConfig, dense: dict, bpw: float):
-    """The teacher's tensors with every body linear replaced by a BLR tensor at `bpw` (P = 2)."""
+def blr_student(cfg: ModelConfig, dense: dict, bpw: float, plan: dict[str, tuple[int, int]] | None = None):
+    """The teacher's tensors with every body linear replaced by a random BLR tensor: at `bpw` with P = 2, or with
+    the paths and rank `plan` gives it (a pipeline's mixed plan, `read_plan`)."""
     rng = np.random.default_rng(0)
-    return build_model(cfg, lambda n: random_blr(*dense[n].shape, bpw, rng) if n in dense and parse_body_linear(n)
-                       else dense.get(n))
+
+    def tensor(n):
+        if n not in dense or not parse_body_linear(n):
+            return dense.get(n)
+        paths, rank = plan[n] if plan else (2, codec.max_rank(bpw, 2, *dense[n].shape))
+        return random_blr(*dense[n].shape, paths, rank, rng)
+    return build_model(cfg, tensor)
+
+
+PLAN_LINE = re.compile(r"^\s+(model\.layers\.\d+\.\S+\.weight): P=(\d+) r=(\d+) ")
+
+
+def read_plan(log: str, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Every body linear's paths and rank as a pipeline's budget_reencode log states them (`name: P=2 r=96 …`
+    lines): the bench's student then has that run's shapes, e.g. the 0.55-bpw recipe's mixed plan, whose steps
+    took 0.37 s on an H100 where the uniform 1.0-bpw plan's took 0.24 (docs/quality.md, session 46)."""
+    plan = {m[1]: (int(m[2]), int(m[3])) for m in map(PLAN_LINE.match, open(log)) if m}
+    expected = {f"model.layers.{i}.{role}.weight" for i in range(cfg.num_layers) for role in
+                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")}
+    if set(plan) != expected:
+        raise SystemExit(f"{log}: --plan-log: it names {len(plan)} body linears, {len(set(plan) & expected)} of them "
+                         f"among this shape's {len(expected)}: not a plan for this shape")
+    return plan
 
 
 def baseline_teacher_pass(model, x):
@@ -255,13 +280,15 @@ def profiled(fn, steps: int = 2) -> dict[str, str]:
 
 
 def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tflops: float, profile: bool = False,
-               only: list[str] | None = None) -> dict:
+               only: list[str] | None = None, plan: dict | None = None, compile_mode: str | None = None) -> dict:
     """train_student's step in each training mode (docs/training.md) on a model of shape `cfg` (random
     weights, 1 bpw, P = 2), batch × WINDOW tokens, each beside the plain-transformers dense KD step: the
     cached top-64 (`targets: topk`), the live teacher (`targets: live`, full-vocabulary KL), the live teacher
     with sign training (`signs.enabled`), that with the per-layer hidden-state loss (`hidden_weight` 0.3: the
     README's GPU recipe since session 36) and with a q2tp embedding and head. `only`: those modes alone (the
-    dense step always). MFU: model FLOPs (forward ×3) per second over the bf16 matmul rate measured in the same run."""
+    dense step always). MFU: model FLOPs (forward ×3) per second over the bf16 matmul rate measured in the same run.
+    `plan`: the student's paths and ranks from a pipeline's log (`read_plan`) instead of 1 bpw, P = 2. `compile_mode`:
+    torch.compile's mode for the student's blocks (e.g. reduce-overhead: CUDA graphs, for the host-bound sign modes)."""
     torch.manual_seed(0)
     big = hf_model(cfg, None)
     dense = {n: p.detach().float().cpu() for n, p in big.state_dict().items() if n != "lm_head.weight"}
@@ -305,8 +332,8 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         before = torch.cuda.memory_allocated()
         # fused_sign_step.triton None: latent_step keeps to its tensor ops
         fused_sign_step.triton = None if name.endswith("tensor-op sign step") else triton
-        student = blr_student(cfg, dense, 1.0)
-        student = compile_blocks((q2tp_embedding(student) if q2tp else student).cuda())
+        student = blr_student(cfg, dense, 1.0, plan)
+        student = compile_blocks((q2tp_embedding(student) if q2tp else student).cuda(), compile_mode)
         sfpt = blr_flops_per_token(student) + attention_flops(cfg)
         # teacher_memo_bytes 0: the live teacher runs every step, as for the pipeline's thousands of windows (the
         # bench's 16 would otherwise be kept after the first step: session 37's rows without the hidden loss were)
@@ -352,6 +379,9 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[16], help="with --modes: windows a step, one per shape")
     ap.add_argument("--profile", action="store_true", help="with --modes: each mode's profile of two steps")
     ap.add_argument("--only", nargs="+", help="with --modes: these modes alone (by name), beside the dense step")
+    ap.add_argument("--plan-log", help="with --modes on SmolLM2's shape: the student's paths and ranks from a budget_reencode log "
+                    "(e.g. docs/runs/budget-s46-live_uv_bsigns_055-hidden03-manuals30.log, the 0.55-bpw recipe's plan)")
+    ap.add_argument("--compile-mode", help="with --modes: torch.compile's mode for the student's blocks (e.g. reduce-overhead)")
     a = ap.parse_args()
     if a.modes and len(a.batch) != len(a.shapes):
         ap.error("--batch takes one value per --shapes")
@@ -363,8 +393,9 @@ def main():
     if a.modes:
         shapes = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.2-1B-shaped": LLAMA_1B}
         out["step"] = {name: step_modes(shapes[name], batch, a.iters, a.windows, out["bf16_matmul_TFLOP_s"], a.profile,
-                                           a.only)
+                                           a.only, a.plan_log and read_plan(a.plan_log, shapes[name]), a.compile_mode)
                        for name, batch in zip(a.shapes, a.batch)}
+        out.update(plan_log=a.plan_log, compile_mode=a.compile_mode)
         print(json.dumps(out, indent=1))
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

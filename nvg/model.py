@@ -501,7 +501,7 @@ def write_student(student_cmf: CmfFile, model: "Llama", out, provenance_key: str
 GRAPHS_PER_SIGNATURE = 4
 
 
-def compile_blocks(model: Llama) -> Llama:
+def compile_blocks(model: Llama, mode: str | None = None) -> Llama:
     """On CUDA, compile each block with inductor (regional compilation): RMSNorm, rotary, SwiGLU, the
     residual adds and the BLR scale folding become a few fused kernels instead of dozens of eager ones.
     Blocks whose parameters have the same shapes share a compiled graph (the parameters are graph
@@ -512,12 +512,13 @@ def compile_blocks(model: Llama) -> Llama:
     process, and past it runs the remaining blocks eager without failing. A mixed plan has one signature
     per distinct combination of paths and ranks in a block (10 at 0.55 bpw on SmolLM2 with paths auto),
     and there its training ran at half speed (81k tok/s against 168k at 1.0 bpw, where there are 3):
-    so the limit grows with the signatures compiled."""
+    so the limit grows with the signatures compiled. `mode`: torch.compile's (bench/gpu_bench.py tries
+    reduce-overhead, CUDA graphs, on the host-bound sign modes); the pipeline's is inductor's default."""
     if model.head_weight.is_cuda:
         signatures = {tuple(p.shape for p in layer.parameters()) for layer in model.model.layers}
         torch._dynamo.config.recompile_limit += GRAPHS_PER_SIGNATURE * len(signatures)
         for layer in model.model.layers:
-            layer.compile()
+            layer.compile(mode=mode)
     return model
 
 
