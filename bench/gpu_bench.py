@@ -22,7 +22,8 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
                                                             # mode's time goes); --shapes SmolLM2-135M
                                                             # Llama-3.2-1B-shaped --batch 16 8: both shapes;
                                                             # --plan-log LOG: a pipeline's mixed plan;
-                                                            # --compile-mode reduce-overhead: CUDA graphs
+                                                            # --compile-mode reduce-overhead: CUDA graphs;
+                                                            # --graph-per-signature: a dynamo cache each
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import functools
 import json
 import re
 import time
+import types
 
 import numpy as np
 import torch
@@ -164,6 +166,24 @@ def blr_student(cfg: ModelConfig, dense: dict, bpw: float, plan: dict[str, tuple
 PLAN_LINE = re.compile(r"^\s+(model\.layers\.\d+\.\S+\.weight): P=(\d+) r=(\d+) ")
 
 
+def graph_per_signature(model):
+    """Each block signature's layers get a `forward` of their own code object (a subclass of Block each), so dynamo
+    keeps a cache for each signature instead of one for every graph of `Block.forward`: a mixed plan's ten signatures
+    make about 40 graphs there, whose guards a block call may check one after another (a guess for the 0.55-bpw run's
+    slower host-bound steps, session 46)."""
+    block = type(model.model.layers[0])
+    code, classes = block.forward.__code__, {}
+    for layer in model.model.layers:
+        sig = tuple(p.shape for p in layer.parameters())
+        if sig not in classes:
+            i = len(classes)
+            forward = types.FunctionType(code.replace(co_name=f"forward_signature_{i}"), block.forward.__globals__,
+                                         f"forward_signature_{i}", block.forward.__defaults__)
+            classes[sig] = type(f"{block.__name__}Signature{i}", (block,), {"forward": forward})
+        layer.__class__ = classes[sig]
+    return model
+
+
 def read_plan(log: str, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """Every body linear's paths and rank as a pipeline's budget_reencode log states them (`name: P=2 r=96 …`
     lines): the bench's student then has that run's shapes, e.g. the 0.55-bpw recipe's mixed plan, whose steps
@@ -280,7 +300,8 @@ def profiled(fn, steps: int = 2) -> dict[str, str]:
 
 
 def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tflops: float, profile: bool = False,
-               only: list[str] | None = None, plan: dict | None = None, compile_mode: str | None = None) -> dict:
+               only: list[str] | None = None, plan: dict | None = None, compile_mode: str | None = None,
+               per_signature: bool = False) -> dict:
     """train_student's step in each training mode (docs/training.md) on a model of shape `cfg` (random
     weights, 1 bpw, P = 2), batch × WINDOW tokens, each beside the plain-transformers dense KD step: the
     cached top-64 (`targets: topk`), the live teacher (`targets: live`, full-vocabulary KL), the live teacher
@@ -288,7 +309,8 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     README's GPU recipe since session 36) and with a q2tp embedding and head. `only`: those modes alone (the
     dense step always). MFU: model FLOPs (forward ×3) per second over the bf16 matmul rate measured in the same run.
     `plan`: the student's paths and ranks from a pipeline's log (`read_plan`) instead of 1 bpw, P = 2. `compile_mode`:
-    torch.compile's mode for the student's blocks (e.g. reduce-overhead: CUDA graphs, for the host-bound sign modes)."""
+    torch.compile's mode for the student's blocks (e.g. reduce-overhead: CUDA graphs, for the host-bound sign modes).
+    `per_signature`: each block signature's graphs in a dynamo cache of their own (`graph_per_signature`)."""
     torch.manual_seed(0)
     big = hf_model(cfg, None)
     dense = {n: p.detach().float().cpu() for n, p in big.state_dict().items() if n != "lm_head.weight"}
@@ -333,6 +355,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         # fused_sign_step.triton None: latent_step keeps to its tensor ops
         fused_sign_step.triton = None if name.endswith("tensor-op sign step") else triton
         student = blr_student(cfg, dense, 1.0, plan)
+        student = graph_per_signature(student) if per_signature else student
         student = compile_blocks((q2tp_embedding(student) if q2tp else student).cuda(), compile_mode)
         sfpt = blr_flops_per_token(student) + attention_flops(cfg)
         # teacher_memo_bytes 0: the live teacher runs every step, as for the pipeline's thousands of windows (the
@@ -382,6 +405,8 @@ def main():
     ap.add_argument("--plan-log", help="with --modes on SmolLM2's shape: the student's paths and ranks from a budget_reencode log "
                     "(e.g. docs/runs/budget-s46-live_uv_bsigns_055-hidden03-manuals30.log, the 0.55-bpw recipe's plan)")
     ap.add_argument("--compile-mode", help="with --modes: torch.compile's mode for the student's blocks (e.g. reduce-overhead)")
+    ap.add_argument("--graph-per-signature", action="store_true",
+                    help="with --modes: each block signature's compiled graphs in a dynamo cache of their own")
     a = ap.parse_args()
     if a.modes and len(a.batch) != len(a.shapes):
         ap.error("--batch takes one value per --shapes")
@@ -393,9 +418,10 @@ def main():
     if a.modes:
         shapes = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.2-1B-shaped": LLAMA_1B}
         out["step"] = {name: step_modes(shapes[name], batch, a.iters, a.windows, out["bf16_matmul_TFLOP_s"], a.profile,
-                                           a.only, a.plan_log and read_plan(a.plan_log, shapes[name]), a.compile_mode)
+                                           a.only, a.plan_log and read_plan(a.plan_log, shapes[name]), a.compile_mode,
+                                           a.graph_per_signature)
                        for name, batch in zip(a.shapes, a.batch)}
-        out.update(plan_log=a.plan_log, compile_mode=a.compile_mode)
+        out.update(plan_log=a.plan_log, compile_mode=a.compile_mode, graph_per_signature=a.graph_per_signature)
         print(json.dumps(out, indent=1))
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
