@@ -172,7 +172,7 @@ def graph_per_signature(model):
     """Each block signature's layers get a `forward` of their own code object (a subclass of Block each), so dynamo
     keeps a cache for each signature instead of one for every graph of `Block.forward`: a mixed plan's ten signatures
     make about 40 graphs there, whose guards a block call may check one after another (a guess for the 0.55-bpw run's
-    slower host-bound steps, session 46)."""
+    slower host-bound steps, session 46, that bench/guard_cost.py found worth a few per cent at most on the CPU)."""
     block = type(model.model.layers[0])
     code, classes = block.forward.__code__, {}
     for layer in model.model.layers:
@@ -189,7 +189,7 @@ def graph_per_signature(model):
 def read_plan(log: str, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """Every body linear's paths and rank as a pipeline's budget_reencode log states them (`name: P=2 r=96 …`
     lines): the bench's student then has that run's shapes, e.g. the 0.55-bpw recipe's mixed plan, whose steps
-    took 0.37 s on an H100 where the uniform 1.0-bpw plan's took 0.24 (docs/quality.md, session 46)."""
+    took 0.30-0.35 s on an H100 where the 1.0-bpw plan's took 0.23-0.25 (docs/quality.md, session 46)."""
     plan = {m[1]: (int(m[2]), int(m[3])) for m in map(PLAN_LINE.match, open(log)) if m}
     expected = {f"model.layers.{i}.{role}.weight" for i in range(cfg.num_layers) for role in
                 ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
