@@ -170,7 +170,7 @@ PLAN_LINE = re.compile(r"^\s+(model\.layers\.\d+\.\S+\.weight): P=(\d+) r=(\d+) 
 
 def graph_per_signature(model):
     """Each block signature's layers get a `forward` of their own code object (a subclass of Block each), so dynamo
-    keeps a cache for each signature instead of one for every graph of `Block.forward`: a mixed plan's ten signatures
+    keeps a cache for each signature instead of one for every graph of `Block.forward`: a mixed plan's eleven signatures
     make about 40 graphs there, whose guards a block call may check one after another (a guess for the 0.55-bpw run's
     slower host-bound steps, session 46, that bench/guard_cost.py found worth a few per cent at most on the CPU)."""
     block = type(model.model.layers[0])

@@ -3,7 +3,7 @@
 # variants that ask where its host time goes (issue #18; docs/quality.md, session 46), each beside the dense transformers
 # step in its own process, after ../shared/tools/stage-teacher-for-device's wheels and Snakemake (no teacher needed).
 #   bash bench/step_overhead.sh VARIANT ...     each variant's JSON and log to $OUT, its row printed
-# Variants: uniform (1 bpw, P = 2, the bench's student), plan055 (session 46's 0.55-bpw mixed plan, ten block
+# Variants: uniform (1 bpw, P = 2, the bench's student), plan055 (session 46's 0.55-bpw mixed plan, eleven block
 # signatures), plan055_own_caches (the same, a dynamo cache per signature), cpp (uniform, inductor's C++ wrapper),
 # cudagraphs (uniform, compile mode reduce-overhead), profile and plan055_profile (with torch.profiler's tables).
 # About 2 minutes each on an H100 (compiles included), so four fit in one call's 600 s; STEP_LIMIT_S (default 170)
