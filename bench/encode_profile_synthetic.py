@@ -7,7 +7,7 @@ sweep as device tensor ops (the encoder's earlier form).
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import numpy as np
@@ -33,7 +33,9 @@ def gpu_sweep(su, h, G, c):
 
 
 def main():
-    out = open(sys.argv[1], "w")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="the report (text), also printed")
+    out = open(ap.parse_args().out, "w")
     say = lambda *a: (print(*a), print(*a, file=out))  # noqa: E731
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
