@@ -48,7 +48,7 @@ from nvg import tiled
 from nvg.cmf import Q2TP, Tensor
 from nvg.losses import topk_logprobs
 from nvg.distill import Distiller, Targets
-from nvg.layout import parse_body_linear
+from nvg.layout import BODY_ROLES, parse_body_linear
 from nvg.distributed import Group
 from nvg.model import ModelConfig, build_model, compile_blocks, flops_per_token, group_scaled, load_model
 from nvg.settings import load
@@ -191,9 +191,7 @@ def read_plan(log: str, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     lines): the bench's student then has that run's shapes, e.g. the 0.55-bpw recipe's mixed plan, whose steps
     took 0.30-0.35 s on an H100 where the 1.0-bpw plan's took 0.23-0.25 (docs/quality.md, session 46)."""
     plan = {m[1]: (int(m[2]), int(m[3])) for m in map(PLAN_LINE.match, open(log)) if m}
-    expected = {f"model.layers.{i}.{role}.weight" for i in range(cfg.num_layers) for role in
-                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                 "mlp.up_proj", "mlp.down_proj")}
+    expected = {f"model.layers.{i}.{suffix}.weight" for i in range(cfg.num_layers) for suffix in BODY_ROLES.values()}
     if set(plan) != expected:
         raise SystemExit(f"{log}: --plan-log: it names {len(plan)} body linears, {len(set(plan) & expected)} of them "
                          f"among this shape's {len(expected)}: not a plan for this shape")
