@@ -175,17 +175,23 @@ collect)
   # still brings back what finished (session 35 lost a finished-in-time variant to a `collect` that waited past the
   # call's 600 s). Give the wait as what is left of the call: begin the call
   # with `T0=$(date +%s);` and end it with `collect $((T0 + 570 - $(date +%s)))` (any POSIX shell).
+  # The machine goes back after 30 s idle: answer "chain running" with the next `collect` at once and read the
+  # archives afterwards (session 47 lost a six-epoch run's evaluation, its training done, to a pause between calls).
+  # Each running variant's last line says where it is, to size that next wait.
   [[ -e /root/chain/gpus ]] || { echo "no chain on this machine (a fresh machine? start it again)" >&2; exit 1; }
   all_done() { local gpu; for gpu in $(cat /root/chain/gpus); do [[ -e /root/chain/chain.$gpu.done ]] || return 1; done; }
   send_finished() { cp -u /root/chain/*.tgz /root/chain/chain.*.log "$OUT/" 2>/dev/null || true; }
   for (( t = 0; t < ${2:-540}; t += 5 )); do send_finished; all_done && break; sleep 5; done
   send_finished
+  tail -n 5 /root/chain/chain.*.log
   for dir in /root/ablation/*/; do
     name=$(basename "$dir"); name=${name//+/__}  # the device sends back no file whose name holds a '+'
-    [[ -e /root/chain/$name.tgz ]] || ( cd "$dir" && tar czf "$OUT/$name-running.tgz" \
-      snakemake.log logs benchmarks results/train/metrics.jsonl 2>/dev/null ) || true
+    [[ -e /root/chain/$name.tgz ]] && continue
+    ( cd "$dir" && tar czf "$OUT/$name-running.tgz" snakemake.log logs benchmarks results/train/metrics.jsonl 2>/dev/null ) || true
+    echo "$(basename "$dir"): last rule done $(grep -ho 'Rule: [a-z_]*' "$dir/snakemake.log" 2>/dev/null | tail -n 1 | cut -c7-)," \
+      "training $(grep -ho 'step [0-9]*/[0-9]*' "$dir/logs/train_student.log" 2>/dev/null | tail -n 1)"
   done
-  tail -n 5 /root/chain/chain.*.log; all_done && echo "chain done" || echo "chain running"
+  all_done && echo "chain done" || echo "chain running"
   ;;
 corpus-out)
   mkdir -p "$OUT/corpus"
