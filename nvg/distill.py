@@ -51,16 +51,17 @@ def lr_shape(step: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def trainable(model, train_group_scales: bool = True) -> dict[str, torch.nn.Parameter]:
+def trainable(model, train_group_scales: bool = True, train_dense_vocab: bool = False) -> dict[str, torch.nn.Parameter]:
     """h, ℓ, g of every BLR linear, every RMSNorm gain, with `train_group_scales` the group scales of a
-    group-scaled embedding or LM head, and its code latents when `GroupScaled.train_codes` made them;
-    everything else frozen."""
+    group-scaled embedding or LM head, and its code latents when `GroupScaled.train_codes` made them; with
+    `train_dense_vocab` a dense (f16) embedding and LM head whole; everything else frozen."""
     params = {}
     group_scales = {id(p) for p in model.group_scales().values()} if train_group_scales else set()
     latents = {id(g.latent) for g in model.group_codes().values() if g.latent is not None}  # GroupScaled.train_codes
+    dense_vocab = {id(p) for p in model.dense_vocab().values()} if train_dense_vocab else set()
     for name, p in model.named_parameters():
         keep = (name.endswith((".h", ".ell", ".g")) or name.endswith("norm.weight") or id(p) in group_scales
-                or id(p) in latents)
+                or id(p) in latents or id(p) in dense_vocab)
         p.requires_grad_(keep)
         if keep:
             params[name] = p
@@ -111,12 +112,13 @@ class Distiller:
 
     def __init__(self, model, targets: Targets, device, *, batch: int, precision: str, tail: bool = False,
                  recompute_every: int = 0, group: Group = Group(), teacher=None, hidden_weight: float = 0.0,
-                 train_group_scales: bool = True, teacher_memo_bytes: int = TEACHER_MEMO_BYTES):
+                 train_group_scales: bool = True, train_dense_vocab: bool = False,
+                 teacher_memo_bytes: int = TEACHER_MEMO_BYTES):
         self.model, self.targets, self.device, self.group = model, targets, device, group
         self.batch_size, self.precision, self.tail = batch, precision, tail
         self.teacher, self.hidden_weight = teacher, hidden_weight  # a live teacher: see the module docstring
         self._teacher_memo = {} if teacher is not None and self._teacher_bytes() <= teacher_memo_bytes else None
-        self.params = trainable(model, train_group_scales)
+        self.params = trainable(model, train_group_scales, train_dense_vocab)
         # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
         self.recompute_every = recompute_every if device.type == "cuda" else 0
         self.modes: list = []  # training modes, see the module docstring

@@ -402,6 +402,13 @@ class Llama(nn.Module):
         modules = {"model.embed_tokens.weight": self.model.embed_tokens, "lm_head.weight": getattr(self, "lm_head", None)}
         return {name: m for name, m in modules.items() if m is not None and parametrize.is_parametrized(m, "weight")}
 
+    def dense_vocab(self) -> dict[str, nn.Parameter]:
+        """The embedding and LM head when stored dense (f16, bf16, f32; neither BLR nor group-scaled): their
+        weights, by CMF name; a tied head is the embedding, listed once."""
+        modules = {"model.embed_tokens.weight": self.model.embed_tokens, "lm_head.weight": getattr(self, "lm_head", None)}
+        return {name: m.weight for name, m in modules.items()
+                if isinstance(m, (nn.Embedding, DenseLinear)) and not parametrize.is_parametrized(m, "weight")}
+
     def group_scales(self) -> dict[str, nn.Parameter]:
         """The trainable scales of a group-scaled embedding or LM head, by CMF name."""
         return {name: m.parametrizations.weight.original for name, m in self.quantised_vocab().items()}
@@ -468,18 +475,21 @@ def write_student(student_cmf: CmfFile, model: "Llama", out, provenance_key: str
     """`load_model` backwards: a copy of the student file with the model's trained payload values, same
     tensors, shapes, dtypes and sizes, and `provenance_block` recorded under `provenance_key`. Group
     scales that were not trained (their `requires_grad` off) keep their bytes: writing refits q4tp's and
-    q2tp's ladders, which would move them. Trained codes (`train.group_code_lr`) are written first, then
+    q2tp's ladders, which would move them; so does a dense embedding or head that was not trained. Trained codes (`train.group_code_lr`) are written first, then
     the scales."""
     blr = model.blr_linears()
     gains = model.norm_gains()
     group_scales = {name: p for name, p in model.group_scales().items() if p.requires_grad}
     group_codes = {name: g for name, g in model.group_codes().items() if g.latent is not None}
+    dense_vocab = {name: p for name, p in model.dense_vocab().items() if p.requires_grad}  # train.embedding_lr
     tensors = []
     for name, t in student_cmf.tensors.items():
         if name in blr and t.dtype == BLR:
             data = blr[name].to_payload().encode()
         elif name in gains and t.dtype == F16:
             data = dense_tensor(name, gains[name].detach().cpu().numpy(), F16).data
+        elif name in dense_vocab:
+            data = dense_tensor(name, dense_vocab[name].detach().cpu().numpy(), t.dtype).data
         elif name in group_scales or name in group_codes:
             data = t.data
             if name in group_codes:

@@ -1,6 +1,7 @@
 """Stage `train_student`: distil the BLR metric (h, ℓ, g of every path), the RMSNorm gains and, when the
 embedding or LM head is group-scaled (q8_row, q4_block, q4tp, q2tp), their group scales (at
-`group_scale_lr` × lr) and, with `group_code_lr`, their codes through straight-through latents.
+`group_scale_lr` × lr) and, with `group_code_lr`, their codes through straight-through latents; with
+`embedding_lr`, a dense (f16) embedding and LM head whole.
 
 setup → fit → finish. The loss and the optimizer step are `nvg/distill.py`'s: KL to the teacher's
 top-k, Adam (0.9, 0.999, 1e-8; with `lr_relative` each tensor's step is scaled by its starting RMS), linear warm-up over max(1, steps/50) then cosine to zero over the
@@ -60,6 +61,7 @@ class TrainSettings:
     lr_relative: bool
     group_scale_lr: float
     group_code_lr: float
+    embedding_lr: float
     clip: float
     eval_every: int
     state_every: int
@@ -194,7 +196,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     d = Distiller(compile_blocks(model), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
                   teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight if live else 0.0,
-                  train_group_scales=s.group_scale_lr > 0)
+                  train_group_scales=s.group_scale_lr > 0, train_dense_vocab=s.embedding_lr > 0)
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
     say(f"train_student: {computing_in(device, 'train.precision', s.precision)}")
@@ -206,6 +208,11 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     multiplier = {name_of[id(p)]: s.group_scale_lr for p in d.model.group_scales().values() if id(p) in name_of}
     code_step = {name_of[id(g.latent)]: float(g.code_range[2]) for g in d.model.group_codes().values() if g.latent is not None}
     multiplier |= dict.fromkeys(code_step, s.group_code_lr)
+    dense_vocab = [name_of[id(p)] for p in d.model.dense_vocab().values() if id(p) in name_of]
+    if s.embedding_lr > 0 and not dense_vocab:
+        raise NvgError(f"config train.embedding_lr: {s.embedding_lr}, but {student}'s embedding and LM head are not dense "
+                       "(quantised ones train their group scales: train.group_scale_lr)")
+    multiplier |= dict.fromkeys(dense_vocab, s.embedding_lr)
     opt = torch.optim.Adam(param_groups(d.params, s.lr_relative, multiplier, code_step), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     if s.signs.enabled:
         d.modes.append(SignTrainer(d.model.blr_linears(), s.signs, total, group, reference=sign_reference(grams, t_cmf, d.teacher) if margin else None))
@@ -326,7 +333,7 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
     if run.group.main:
         write_student(run.student, d.model, out, "nvg_train", {
             "teacher": teacher_name, "windows_hash": d.targets.windows_hash, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
-            "lr": s.lr, "lr_relative": s.lr_relative, "group_scale_lr": s.group_scale_lr, "group_code_lr": s.group_code_lr,
+            "lr": s.lr, "lr_relative": s.lr_relative, "group_scale_lr": s.group_scale_lr, "group_code_lr": s.group_code_lr, "embedding_lr": s.embedding_lr,
             **({"group_codes_changed": codes_changed(d.model)} if s.group_code_lr > 0 else {}), "targets": s.targets, "steps": st.done,
             **({"hidden_weight": s.hidden_weight} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,

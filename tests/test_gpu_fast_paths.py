@@ -253,6 +253,12 @@ def test_live_teacher_training_on_cuda_matches_the_cpu(stage_inputs):
     _six_steps_on_both_devices_agree(stage_inputs, "live-", targets="live", hidden_weight=0.5)
 
 
+def test_embedding_training_on_cuda_matches_the_cpu(stage_inputs):
+    """`train.embedding_lr`: the f16 embedding and head train through the compiled LM-head blocks (the head's
+    gradient under checkpointing) and the lookup, with the live teacher, as on the CPU, float32."""
+    _six_steps_on_both_devices_agree(stage_inputs, "vocab-", targets="live", hidden_weight=0.5, embedding_lr=1.0)
+
+
 def test_greedy_decoding_on_cuda_matches_the_cpu(tiny_cmf, monkeypatch):
     """The compiled, graph-captured decoding step (KV buckets, in-graph argmax) continues greedily
     exactly as the eager CPU model does, across KV bucket boundaries (64 tokens each here)."""

@@ -162,6 +162,39 @@ def test_a_multiplier_scales_only_the_step_of_the_tensors_it_names(relative):
     assert scale[id(params["embed.latent"])] == pytest.approx(0.5 * 2.0)  # in code steps (q2tp's is 2), either way
 
 
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def test_embedding_lr_trains_a_dense_embedding_whole_and_writes_it_in_its_format(stage_inputs):
+    """`train.embedding_lr` > 0: the f16 embedding and head train with the scales and are written in their own
+    dtype and size; at 0 (the default) their bytes stay the student's."""
+    student = read_cmf(stage_inputs / "student.cmf")
+    names = [n for n in VOCAB_TENSORS if n in student.tensors]
+    frozen = train(stage_inputs, "vocab-frozen", epochs=1)
+    trained = train(stage_inputs, "vocab-trained", epochs=1, embedding_lr=1.0)
+    for name in names:
+        before, after = student.tensors[name], trained.tensors[name]
+        assert bytes(frozen.tensors[name].data) == bytes(before.data)
+        assert (after.dtype, after.shape, len(after.data)) == (before.dtype, before.shape, len(before.data))
+        assert bytes(after.data) != bytes(before.data)
+    block = trained.header["provenance"]["nvg_train"]
+    assert block["embedding_lr"] == 1.0 and block["heldout_kl_best"] < block["heldout_kl_start"]
+    assert verify(stage_inputs / "vocab-trained.cmf") == []
+
+
+def test_embedding_lr_on_a_quantised_embedding_is_refused(stage_inputs, tmp_path):
+    from nvg.cmf import Q2TP, dense_tensor, tensor_to_numpy, write_cmf
+
+    for name in ("windows.h5", "topk.0.h5"):
+        (tmp_path / name).write_bytes((stage_inputs / name).read_bytes())
+    src = read_cmf(stage_inputs / "student.cmf")
+    write_cmf(tmp_path / "student.cmf", src.header, [dense_tensor(n, tensor_to_numpy(t), Q2TP) if n in VOCAB_TENSORS else t
+                                                    for n, t in src.tensors.items()], src.vocab)
+    with pytest.raises(NvgError, match="train.embedding_lr: 0.5, but .*student.cmf's embedding and LM head are not dense"):
+        train(tmp_path, "q2tp", epochs=1, embedding_lr=0.5)
+    assert not (tmp_path / "q2tp.cmf").exists()
+
+
 def test_fp16_and_tail_modes_run(stage_inputs):
     out = train(stage_inputs, "fp16tail", precision="fp16", tail=True, epochs=1)
     block = out.header["provenance"]["nvg_train"]
