@@ -396,17 +396,20 @@ class Llama(nn.Module):
     def norm_gains(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.named_parameters() if n.endswith("norm.weight")}
 
+    def vocab_modules(self) -> dict[str, nn.Module]:
+        """The embedding and, when untied, the LM head, by CMF name."""
+        modules = {"model.embed_tokens.weight": self.model.embed_tokens, "lm_head.weight": getattr(self, "lm_head", None)}
+        return {name: m for name, m in modules.items() if m is not None}
+
     def quantised_vocab(self) -> dict[str, nn.Module]:
         """The embedding and LM head when group-scaled (q8_row, q4_block, q4tp, q2tp: their weight a
         `GroupScaled` parametrization), by CMF name."""
-        modules = {"model.embed_tokens.weight": self.model.embed_tokens, "lm_head.weight": getattr(self, "lm_head", None)}
-        return {name: m for name, m in modules.items() if m is not None and parametrize.is_parametrized(m, "weight")}
+        return {name: m for name, m in self.vocab_modules().items() if parametrize.is_parametrized(m, "weight")}
 
     def dense_vocab(self) -> dict[str, nn.Parameter]:
         """The embedding and LM head when stored dense (f16, bf16, f32; neither BLR nor group-scaled): their
-        weights, by CMF name; a tied head is the embedding, listed once."""
-        modules = {"model.embed_tokens.weight": self.model.embed_tokens, "lm_head.weight": getattr(self, "lm_head", None)}
-        return {name: m.weight for name, m in modules.items()
+        weights, by CMF name."""
+        return {name: m.weight for name, m in self.vocab_modules().items()
                 if isinstance(m, (nn.Embedding, DenseLinear)) and not parametrize.is_parametrized(m, "weight")}
 
     def group_scales(self) -> dict[str, nn.Parameter]:
