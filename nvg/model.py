@@ -478,8 +478,8 @@ def write_student(student_cmf: CmfFile, model: "Llama", out, provenance_key: str
     """`load_model` backwards: a copy of the student file with the model's trained payload values, same
     tensors, shapes, dtypes and sizes, and `provenance_block` recorded under `provenance_key`. Group
     scales that were not trained (their `requires_grad` off) keep their bytes: writing refits q4tp's and
-    q2tp's ladders, which would move them; so does a dense embedding or head that was not trained. Trained codes (`train.group_code_lr`) are written first, then
-    the scales."""
+    q2tp's ladders, which would move them; so does a dense embedding or head that was not trained
+    (`train.embedding_lr` 0). Trained codes (`train.group_code_lr`) are written first, then the scales."""
     blr = model.blr_linears()
     gains = model.norm_gains()
     group_scales = {name: p for name, p in model.group_scales().items() if p.requires_grad}

@@ -190,6 +190,9 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     device = group.device(requested)
     t_cmf = read_verified(teacher) if live else None
     model = load_model(s_cmf, device)
+    if s.embedding_lr > 0 and not model.dense_vocab():
+        raise NvgError(f"config train.embedding_lr: {s.embedding_lr}, but {student}'s embedding and LM head are not dense "
+                       "(quantised ones train their group scales: train.group_scale_lr)")
     if s.group_code_lr > 0:
         for g in model.group_codes().values():
             g.train_codes()
@@ -208,11 +211,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     multiplier = {name_of[id(p)]: s.group_scale_lr for p in d.model.group_scales().values() if id(p) in name_of}
     code_step = {name_of[id(g.latent)]: float(g.code_range[2]) for g in d.model.group_codes().values() if g.latent is not None}
     multiplier |= dict.fromkeys(code_step, s.group_code_lr)
-    dense_vocab = [name_of[id(p)] for p in d.model.dense_vocab().values() if id(p) in name_of]
-    if s.embedding_lr > 0 and not dense_vocab:
-        raise NvgError(f"config train.embedding_lr: {s.embedding_lr}, but {student}'s embedding and LM head are not dense "
-                       "(quantised ones train their group scales: train.group_scale_lr)")
-    multiplier |= dict.fromkeys(dense_vocab, s.embedding_lr)
+    multiplier |= {name_of[id(p)]: s.embedding_lr for p in d.model.dense_vocab().values() if id(p) in name_of}
     opt = torch.optim.Adam(param_groups(d.params, s.lr_relative, multiplier, code_step), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     if s.signs.enabled:
         d.modes.append(SignTrainer(d.model.blr_linears(), s.signs, total, group, reference=sign_reference(grams, t_cmf, d.teacher) if margin else None))
