@@ -48,7 +48,7 @@ def main():
     for _ in range(2):  # the first call includes the compile and the graph captures
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        generate_corpus.sample_sequences(decoder, firsts, s, "nvg")
+        generate_corpus.sample_sequences(decoder, firsts[:, None], [], s, "nvg")  # no chat opening
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     del decoder
