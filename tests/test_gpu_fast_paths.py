@@ -419,3 +419,22 @@ def test_a_q2tp_embedding_with_trained_codes_on_cuda_matches_the_cpu(tiny_stages
         embedding[device] = np.frombuffer(bytes(read_cmf(tmp_path / "student.cmf").tensors["model.embed_tokens.weight"].data), np.uint8)
     assert (embedding["cuda"] != embedding["cpu"]).mean() < 0.01  # GPTQ's float64 on another device: a few codes may differ
     _six_steps_on_both_devices_agree(tmp_path, "q2tp-", group_code_lr=2.0)
+
+
+def test_the_sampling_benchmark_runs_both_samplers_to_the_asked_length(tiny_cmf, tmp_path):
+    """`bench/generate_bench.py` (docs/benchmarks.md's sampling rows) on the tiny teacher: both sides draw
+    batch × length tokens and the report has their rates. Session 48 found it calling `sample_sequences` with
+    the signature it had before prompts, a failure no CPU test could see."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "gen.json"
+    subprocess.run([sys.executable, str(root / "bench/generate_bench.py"), "--teacher", str(tiny_cmf), "--batch", "8",
+                    "--length", "24", "--out", str(out)], check=True, cwd=tmp_path)
+    report = json.loads(out.read_text())
+    assert (report["batch"], report["length"]) == (8, 24)
+    assert report["nvg"]["tok_s"] > 0 and report["transformers"]["tok_s"] > 0
+    assert report["speedup"] == pytest.approx(report["nvg"]["tok_s"] / report["transformers"]["tok_s"])
