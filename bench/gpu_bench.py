@@ -9,8 +9,8 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
    ../shared/tools/hf_baseline.py.
 2. distillation step, tokens/s and peak memory. nvg: `Distiller.step` (nvg/distill.py) (the pipeline's
    step: batch from host arrays, bf16 autocast, compiled checkpointed blocks, chunked KL to the
-   cached top-64, gradient norm and clip, fused Adam on h, ℓ, g and the norm gains) on a BLR student
-   at 1 bpw (P = 2). Baseline: the dense student, full float32 logits, log-softmax, gather, KL, Adam on
+   cached top-64, gradient norm and clip, train_student's Adam on h, ℓ, g and the norm gains, a group each:
+   `student_adam`) on a BLR student at 1 bpw (P = 2). Baseline: the dense student, full float32 logits, log-softmax, gather, KL, Adam on
    every weight, as in hf_baseline.py.
 3. model FLOP utilisation of both against the bf16 matmul rate measured in the same run (forward
    FLOPs, ×3 for a training step; causal attention counted; recomputation not counted).
@@ -47,7 +47,8 @@ from nvg import blr as codec
 from nvg import tiled
 from nvg.cmf import Q2TP, Tensor
 from nvg.losses import topk_logprobs
-from nvg.distill import Distiller, Targets
+from nvg.adam import OnePassAdam
+from nvg.distill import Distiller, Targets, param_groups
 from nvg.layout import BODY_ROLES, parse_body_linear
 from nvg.distributed import Group
 from nvg.model import ModelConfig, build_model, compile_blocks, flops_per_token, group_scaled, load_model
@@ -214,6 +215,17 @@ def baseline_step(student, opt, x, t_ids, t_p):
     opt.zero_grad(set_to_none=True)
 
 
+def student_adam(params: dict, kind: str = "one-pass"):
+    """The student step's Adam. `one-pass`: train_student's (`OnePassAdam`, a group a tensor as `train.lr_relative`
+    makes them); `torch-groups`: torch's fused Adam on those groups (train_student's before session 48);
+    `torch-one-group`: torch's fused Adam on one group (this bench's before session 48, which left the pipeline's
+    692 groups out of the step it timed)."""
+    if kind == "torch-one-group":
+        return torch.optim.Adam(list(params.values()), lr=1e-4, fused=True)
+    groups = param_groups(params, relative=True)
+    return OnePassAdam(groups, lr=1e-4) if kind == "one-pass" else torch.optim.Adam(groups, lr=1e-4, fused=True)
+
+
 def bench_model(name: str, cfg: ModelConfig, teacher, teacher_batches, step_batches, iters: int,
                 keep_activations: bool = False) -> dict:
     """`teacher`: nvg's float32 teacher on the GPU. Returns this model's rows."""
@@ -264,14 +276,14 @@ def bench_model(name: str, cfg: ModelConfig, teacher, teacher_batches, step_batc
     sfpt = blr_flops_per_token(student) + attention_flops(cfg)
     for b in step_batches:
         d = Distiller(student, targets[b], torch.device("cuda"), batch=b, precision="bf16", recompute_every=1)
-        opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
+        opt = student_adam(d.params)
         rows[f"distillation step, batch {b}: nvg (BLR 1 bpw)"] = measure(
             lambda: d.step(list(range(b)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), b * WINDOW, 3 * sfpt, max(2, iters // 2))
         say()
     if keep_activations:  # the other end of train.recompute_every: no block recomputed
         b = step_batches[-1]
         d = Distiller(student, targets[b], torch.device("cuda"), batch=b, precision="bf16", recompute_every=0)
-        opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
+        opt = student_adam(d.params)
         rows[f"distillation step, batch {b}: nvg (BLR 1 bpw), recompute_every 0"] = measure(
             lambda: d.step(list(range(b)), opt, 1.0, 1.0, lr=1e-3, clip=1.0), b * WINDOW, 3 * sfpt, max(2, iters // 2))
         say()
@@ -301,7 +313,7 @@ def profiled(fn, steps: int = 2) -> dict[str, str]:
 
 def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tflops: float, profile: bool = False,
                only: list[str] | None = None, plan: dict | None = None, compile_mode: str | None = None,
-               per_signature: bool = False) -> dict:
+               per_signature: bool = False, adam: str = "one-pass") -> dict:
     """train_student's step in each training mode (docs/training.md) on a model of shape `cfg` (random
     weights, 1 bpw, P = 2), batch × WINDOW tokens, each beside the plain-transformers dense KD step: the
     cached top-64 (`targets: topk`), the live teacher (`targets: live`, full-vocabulary KL), the live teacher
@@ -310,7 +322,8 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     dense step always). MFU: model FLOPs (forward ×3) per second over the bf16 matmul rate measured in the same run.
     `plan`: the student's paths and ranks from a pipeline's log (`read_plan`) instead of 1 bpw, P = 2. `compile_mode`:
     torch.compile's mode for the student's blocks (e.g. reduce-overhead: CUDA graphs, for the host-bound sign modes).
-    `per_signature`: each block signature's graphs in a dynamo cache of their own (`graph_per_signature`)."""
+    `per_signature`: each block signature's graphs in a dynamo cache of their own (`graph_per_signature`). `adam`: the
+    student's optimizer (`student_adam`)."""
     torch.manual_seed(0)
     big = hf_model(cfg, None)
     dense = {n: p.detach().float().cpu() for n, p in big.state_dict().items() if n != "lm_head.weight"}
@@ -364,7 +377,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
                       hidden_weight=hidden_weight, teacher_memo_bytes=0)
         if signs is not None:
             d.modes.append(SignTrainer(d.model.blr_linears(), load(SignSettings, enabled=True, **signs), 1000, Group()))
-        opt = torch.optim.Adam(list(d.params.values()), lr=1e-4, fused=True)
+        opt = student_adam(d.params, adam)
         step = functools.partial(d.step, list(range(batch)), opt, 1.0, 1.0, lr=1e-3, clip=1.0)
         row = measure(step, batch * WINDOW, 3 * sfpt, iters, windows, held)  # the live teacher's forward: not in the FLOPs
         if name in pair:
@@ -409,6 +422,8 @@ def main():
                     help="with --modes: each block signature's compiled graphs in a dynamo cache of their own")
     ap.add_argument("--cpp-wrapper", action="store_true", help="inductor's C++ wrapper for every compiled graph: its kernels "
                     "launched from C++, not from Python (session 37's profile: about 1.5 ms of Python a block call)")
+    ap.add_argument("--adam", default="one-pass", choices=["one-pass", "torch-groups", "torch-one-group"],
+                    help="with --modes: the student's Adam (student_adam)")
     a = ap.parse_args()
     if a.modes and len(a.batch) != len(a.shapes):
         ap.error("--batch takes one value per --shapes")
@@ -422,10 +437,10 @@ def main():
         shapes = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.2-1B-shaped": LLAMA_1B}
         out["step"] = {name: step_modes(shapes[name], batch, a.iters, a.windows, out["bf16_matmul_TFLOP_s"], a.profile,
                                            a.only, a.plan_log and read_plan(a.plan_log, shapes[name]), a.compile_mode,
-                                           a.graph_per_signature)
+                                           a.graph_per_signature, a.adam)
                        for name, batch in zip(a.shapes, a.batch)}
         out.update(plan_log=a.plan_log, compile_mode=a.compile_mode, graph_per_signature=a.graph_per_signature,
-                   cpp_wrapper=a.cpp_wrapper)
+                   cpp_wrapper=a.cpp_wrapper, adam=a.adam)
         print(json.dumps(out, indent=1))
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

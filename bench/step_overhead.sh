@@ -5,7 +5,8 @@
 #   bash bench/step_overhead.sh VARIANT ...     each variant's JSON and log to $OUT, its row printed
 # Variants: uniform (1 bpw, P = 2, the bench's student), plan055 (session 46's 0.55-bpw mixed plan, eleven block
 # signatures), plan055_own_caches (the same, a dynamo cache per signature), cpp (uniform, inductor's C++ wrapper),
-# cudagraphs (uniform, compile mode reduce-overhead), profile and plan055_profile (with torch.profiler's tables).
+# cudagraphs (uniform, compile mode reduce-overhead), torch_adam (uniform, torch's fused Adam a group a tensor: train_student's
+# optimizer before session 48's nvg.adam.OnePassAdam), profile and plan055_profile (with torch.profiler's tables).
 # About 2 minutes each on an H100 (compiles included), so four fit in one call's 600 s; STEP_LIMIT_S (default 170)
 # stops a variant that hangs in compilation and keeps the others.
 set -uo pipefail
@@ -19,6 +20,7 @@ for variant in "$@"; do
     plan055_own_caches) args=(--plan-log "$PLAN" --graph-per-signature) ;;
     cpp) args=(--cpp-wrapper) ;;
     cudagraphs) args=(--compile-mode reduce-overhead) ;;
+    torch_adam) args=(--adam torch-groups) ;;
     profile) args=(--profile) ;;
     plan055_profile) args=(--plan-log "$PLAN" --profile) ;;
     *) echo "step_overhead.sh: no variant $variant" >&2; exit 2 ;;

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from nvg.adam import OnePassAdam
 from nvg.distill import lr_shape, param_groups
 
 
@@ -61,7 +62,7 @@ def fit_block(block, params: dict, x, y, cos, sin, *, steps: int, batch: int, lr
     """`steps` Adam steps on `params` of `batch` rows drawn from `x` → `y`, the sign latents of `trainer` (when
     given) moving inside each backward pass. Returns the first and last batch loss, the step guards' lines and
     the matrix-steps whose sign gradient grad_clip scaled down."""
-    opt = torch.optim.Adam(param_groups(params, relative=True), lr=lr, fused=x.is_cuda)
+    opt = OnePassAdam(param_groups(params, relative=True), lr=lr)
     first = last = None
     guard_lines = []  # what the sign step guards did, step by step
     grad_clipped = 0  # matrix-steps whose sign gradient grad_clip scaled down

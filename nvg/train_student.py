@@ -38,6 +38,7 @@ from typing import Callable, ClassVar
 import torch
 
 from nvg import distributed
+from nvg.adam import OnePassAdam
 from nvg.artifacts import check_encoded_from, encoded_from
 from nvg.atomic import atomic_path
 from nvg.cmf import CmfFile, read_verified
@@ -212,7 +213,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     code_step = {name_of[id(g.latent)]: float(g.code_range[2]) for g in d.model.group_codes().values() if g.latent is not None}
     multiplier |= dict.fromkeys(code_step, s.group_code_lr)
     multiplier |= {name_of[id(p)]: s.embedding_lr for p in d.model.dense_vocab().values() if id(p) in name_of}
-    opt = torch.optim.Adam(param_groups(d.params, s.lr_relative, multiplier, code_step), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
+    opt = OnePassAdam(param_groups(d.params, s.lr_relative, multiplier, code_step), lr=s.lr, betas=(0.9, 0.999), eps=1e-8)
     if s.signs.enabled:
         d.modes.append(SignTrainer(d.model.blr_linears(), s.signs, total, group, reference=sign_reference(grams, t_cmf, d.teacher) if margin else None))
     for mode in d.modes:

@@ -438,3 +438,24 @@ def test_the_sampling_benchmark_runs_both_samplers_to_the_asked_length(tiny_cmf,
     assert (report["batch"], report["length"]) == (8, 24)
     assert report["nvg"]["tok_s"] > 0 and report["transformers"]["tok_s"] > 0
     assert report["speedup"] == pytest.approx(report["nvg"]["tok_s"] / report["transformers"]["tok_s"])
+
+
+def test_one_pass_adam_on_cuda_steps_as_torchs_adam():
+    """`nvg.adam.OnePassAdam` on CUDA tensors, one group each (`train.lr_relative`), against torch's foreach Adam."""
+    from nvg.adam import OnePassAdam
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, 576), (2, 64), (2, 1536), (576,), (4096, 576)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(5)]
+    result = {}
+    for name, make in {"ours": OnePassAdam, "torch": lambda groups, lr: torch.optim.Adam(groups, lr=lr, foreach=True)}.items():
+        params = [torch.nn.Parameter(t.cuda()) for t in start]
+        opt = make([{"params": [p], "lr": 1e-3 * (i + 1)} for i, p in enumerate(params)], lr=1e-3)
+        for step_grads in grads:
+            for p, grad in zip(params, step_grads):
+                p.grad = grad.cuda()
+            opt.step()
+        result[name] = [p.detach().cpu() for p in params]
+    for ours, theirs, first in zip(result["ours"], result["torch"], start):
+        assert torch.equal(ours, theirs) and not torch.equal(ours, first)
