@@ -318,7 +318,8 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     weights, 1 bpw, P = 2), batch × WINDOW tokens, each beside the plain-transformers dense KD step: the
     cached top-64 (`targets: topk`), the live teacher (`targets: live`, full-vocabulary KL), the live teacher
     with sign training (`signs.enabled`), that with the per-layer hidden-state loss (`hidden_weight` 0.3: the
-    README's GPU recipe since session 36) and with a q2tp embedding and head. `only`: those modes alone (the
+    README's GPU recipe's step from session 36), that with the f16 embedding and head trained too (`embedding_lr`:
+    the README's GPU recipe's step since session 48) and with a q2tp embedding and head. `only`: those modes alone (the
     dense step always). MFU: model FLOPs (forward ×3) per second over the bf16 matmul rate measured in the same run.
     `plan`: the student's paths and ranks from a pipeline's log (`read_plan`) instead of 1 bpw, P = 2. `compile_mode`:
     torch.compile's mode for the student's blocks (e.g. reduce-overhead: CUDA graphs, for the host-bound sign modes).
@@ -346,13 +347,14 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     # signs: the sign settings over the schema's defaults (None: scales only); grad_clip 2 is the GPU recipe's.
     # The last sign row runs the factored sign step as tensor ops (what it was before nvg/fused_sign_step.py), beside
     # the fused Triton passes that CUDA runs: the kernels' gain, measured in one run.
-    # (targets, teacher, sign settings, q2tp embedding, hidden_weight)
-    modes = {"topk (scales)": (topk, None, None, False, 0.0), "live (scales)": (live, teacher, None, False, 0.0),
-             "live + signs": (live, teacher, {}, False, 0.0),
-             "live + signs, grad_clip 2": (live, teacher, {"grad_clip": 2.0}, False, 0.0),
-             "live + signs, grad_clip 2, hidden 0.3": (live, teacher, {"grad_clip": 2.0}, False, 0.3),
-             "live + signs, grad_clip 2, tensor-op sign step": (live, teacher, {"grad_clip": 2.0}, False, 0.0),
-             "live, q2tp embedding": (live, teacher, None, True, 0.0)}
+    # (targets, teacher, sign settings, q2tp embedding, hidden_weight, the f16 embedding trained)
+    modes = {"topk (scales)": (topk, None, None, False, 0.0, False), "live (scales)": (live, teacher, None, False, 0.0, False),
+             "live + signs": (live, teacher, {}, False, 0.0, False),
+             "live + signs, grad_clip 2": (live, teacher, {"grad_clip": 2.0}, False, 0.0, False),
+             "live + signs, grad_clip 2, hidden 0.3": (live, teacher, {"grad_clip": 2.0}, False, 0.3, False),
+             "live + signs, grad_clip 2, hidden 0.3, embedding trained": (live, teacher, {"grad_clip": 2.0}, False, 0.3, True),
+             "live + signs, grad_clip 2, tensor-op sign step": (live, teacher, {"grad_clip": 2.0}, False, 0.0, False),
+             "live, q2tp embedding": (live, teacher, None, True, 0.0, False)}
     unknown = set(only or ()) - set(modes)
     if unknown:
         raise SystemExit(f"--only: no mode {sorted(unknown)}; the modes are {list(modes)}")
@@ -361,7 +363,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     pair = ("live + signs, grad_clip 2", "live + signs, grad_clip 2, tensor-op sign step")
     paired = {}
     held = 0  # bytes the paired rows keep while the rows after them run: left out of those rows' peaks
-    for name, (targets, t, signs, q2tp, hidden_weight) in modes.items():
+    for name, (targets, t, signs, q2tp, hidden_weight, embedding) in modes.items():
         if only and name not in only:
             continue
         before = torch.cuda.memory_allocated()
@@ -374,7 +376,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         # teacher_memo_bytes 0: the live teacher runs every step, as for the pipeline's thousands of windows (the
         # bench's 16 would otherwise be kept after the first step: session 37's rows without the hidden loss were)
         d = Distiller(student, targets, torch.device("cuda"), batch=batch, precision="bf16", recompute_every=1, teacher=t,
-                      hidden_weight=hidden_weight, teacher_memo_bytes=0)
+                      hidden_weight=hidden_weight, teacher_memo_bytes=0, train_dense_vocab=embedding)
         if signs is not None:
             d.modes.append(SignTrainer(d.model.blr_linears(), load(SignSettings, enabled=True, **signs), 1000, Group()))
         opt = student_adam(d.params, adam)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The README's GPU training step (live teacher + signs, grad_clip 2, hidden loss 0.3; bench/gpu_bench.py --modes) in the
-# variants that ask where its host time goes (issue #18; docs/quality.md, session 46), each beside the dense transformers
-# step in its own process, after ../shared/tools/stage-teacher-for-device's wheels and Snakemake (no teacher needed).
+# The README's GPU training step (live teacher + signs, grad_clip 2, hidden loss 0.3, the f16 embedding trained since
+# session 48; bench/gpu_bench.py --modes) in the variants that ask where its host time goes (issue #18; docs/quality.md,
+# session 46), each beside the dense transformers step in its own process, after ../shared/tools/stage-teacher-for-device's
+# wheels and Snakemake (no teacher needed).
 #   bash bench/step_overhead.sh VARIANT ...     each variant's JSON and log to $OUT, its row printed
 # Variants: uniform (1 bpw, P = 2, the bench's student), plan055 (session 46's 0.55-bpw mixed plan, eleven block
 # signatures), plan055_own_caches (the same, a dynamo cache per signature), cpp (uniform, inductor's C++ wrapper),
@@ -11,7 +12,7 @@
 # stops a variant that hangs in compilation and keeps the others.
 set -uo pipefail
 export PYTHONPATH=/root/site:/root/smk:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/root/inductor-cache
-MODE="live + signs, grad_clip 2, hidden 0.3"
+MODE="live + signs, grad_clip 2, hidden 0.3, embedding trained"
 PLAN=docs/runs/budget-s46-live_uv_bsigns_055-hidden03-manuals30.log
 for variant in "$@"; do
   case $variant in
