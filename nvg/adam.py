@@ -28,6 +28,13 @@ class OnePassAdam(torch.optim.Optimizer):
         if any(g["betas"] != betas or g["eps"] != eps for g in self.param_groups):
             raise ValueError("OnePassAdam: betas and eps are shared by every group")
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, with every step count on the CPU: a state saved by torch's fused Adam (train_student's before
+        session 48) keeps them on the GPU, where reading them back would sync once a tensor."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            state["step"] = state["step"].cpu()
+
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "OnePassAdam takes no closure"

@@ -459,3 +459,13 @@ def test_one_pass_adam_on_cuda_steps_as_torchs_adam():
         result[name] = [p.detach().cpu() for p in params]
     for ours, theirs, first in zip(result["ours"], result["torch"], start):
         assert torch.equal(ours, theirs) and not torch.equal(ours, first)
+    # a run state saved by torch's fused Adam (train_student's before session 48) resumes with its steps on the CPU
+    params = [torch.nn.Parameter(t.cuda()) for t in start]
+    fused = torch.optim.Adam([{"params": [p]} for p in params], lr=1e-3, fused=True)
+    for p, grad in zip(params, grads[0]):
+        p.grad = grad.cuda()
+    fused.step()
+    resumed = OnePassAdam([{"params": [p]} for p in params], lr=1e-3)
+    resumed.load_state_dict(fused.state_dict())
+    resumed.step()
+    assert all(st["step"].device.type == "cpu" and st["step"].item() == 2.0 for st in resumed.state.values())
