@@ -58,7 +58,7 @@ class OnePassAdam(torch.optim.Optimizer):
             return None
         beta1, beta2 = self.defaults["betas"]
         torch._foreach_add_(steps, 1)  # CPU scalars: no launch
-        counts = [float(s) for s in steps]
+        counts = torch.stack(steps).tolist()  # one read, not one a tensor
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)

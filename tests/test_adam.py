@@ -57,6 +57,34 @@ def test_a_state_saved_by_torchs_adam_resumes_in_it_and_back():
         assert torch.equal(a, b)
 
 
+def test_an_update_dispatches_as_many_ops_for_a_hundred_groups_as_for_ten():
+    """What it is for: the host work of an update does not grow with the groups (torch's Adam: two ops a group)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for n in (10, 100):
+        params = [torch.nn.Parameter(torch.randn(5)) for _ in range(n)]
+        for p in params:
+            p.grad = torch.randn(5)
+        opt = OnePassAdam([{"params": [p], "lr": 1e-3 * (1 + i % 3)} for i, p in enumerate(params)], lr=1e-3)
+        opt.step()  # the first update creates the state
+        with Count() as count:
+            opt.step()
+        counts[n] = count.ops
+    assert counts[10] == counts[100] and sum(counts[100].values()) < 20
+
+
 def test_groups_with_their_own_betas_are_refused():
     params = _tensors()
     with pytest.raises(ValueError, match="betas and eps are shared"):
