@@ -6,7 +6,7 @@ by group, each with its own Python bookkeeping and kernel launches (fused: the u
 two a group), in a training step that is host-bound on the GPU (docs/benchmarks.md). Here every group's
 tensors go through the same seven `torch._foreach_*` calls at once, each tensor with its own step size, so
 the host work of an update no longer grows with the number of groups: 691 SmolLM2-shaped scale tensors in
-691 groups took 14–19 ms an update on a 2-core CPU, against 24–35 ms for torch's fused Adam and 72–90 ms for
+691 groups took 13–16 ms an update on a 2-core CPU, against 25–27 ms for torch's fused Adam and 71–83 ms for
 its foreach one (`bench/adam_groups.py`, three runs, session 48). On CUDA it is seven multi-tensor launches
 per chunk of tensors, where torch's fused Adam makes two launches a group.
 
