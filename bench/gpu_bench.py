@@ -130,14 +130,14 @@ class InMemoryTopk:
         return self.ids[rows], self.logp[rows]
 
 
-def hf_model(cfg: ModelConfig, state: dict | None) -> LlamaForCausalLM:
+def hf_model(cfg: ModelConfig, state: dict | None, device: str = "cuda") -> LlamaForCausalLM:
     """The plain-transformers twin of a model: the same config, the same weights (random when `state` is None)."""
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                          num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                          num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
                          rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
                          tie_word_embeddings=cfg.tie_word_embeddings, attn_implementation="sdpa")
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(hf_cfg).to(torch.bfloat16)
     if state is not None:
         missing, unexpected = model.load_state_dict(state, strict=False)
