@@ -23,8 +23,7 @@ For each model, the real SmolLM2-135M (a teacher CMF) and a random Llama-3.2-1B-
                                                             # Llama-3.2-1B-shaped --batch 16 8: both shapes;
                                                             # --plan-log LOG: a pipeline's mixed plan;
                                                             # --compile-mode reduce-overhead: CUDA graphs;
-                                                            # --graph-per-signature: a dynamo cache each;
-                                                            # --cpp-wrapper: kernels launched from C++
+                                                            # --graph-per-signature: a dynamo cache each
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ import types
 
 import numpy as np
 import torch
-import torch._inductor.config as inductor_config
 import triton
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -422,14 +420,11 @@ def main():
     ap.add_argument("--compile-mode", help="with --modes: torch.compile's mode for the student's blocks (e.g. reduce-overhead)")
     ap.add_argument("--graph-per-signature", action="store_true",
                     help="with --modes: each block signature's compiled graphs in a dynamo cache of their own")
-    ap.add_argument("--cpp-wrapper", action="store_true", help="inductor's C++ wrapper for every compiled graph: its kernels "
-                    "launched from C++, not from Python (session 37's profile: about 1.5 ms of Python a block call)")
     ap.add_argument("--adam", default="one-pass", choices=["one-pass", "torch-groups", "torch-one-group"],
                     help="with --modes: the student's Adam (student_adam)")
     a = ap.parse_args()
     if a.modes and len(a.batch) != len(a.shapes):
         ap.error("--batch takes one value per --shapes")
-    inductor_config.cpp_wrapper = a.cpp_wrapper
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
            "window": WINDOW, "date": time.strftime("%Y-%m-%d")}
     m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -442,7 +437,7 @@ def main():
                                            a.graph_per_signature, a.adam)
                        for name, batch in zip(a.shapes, a.batch)}
         out.update(plan_log=a.plan_log, compile_mode=a.compile_mode, graph_per_signature=a.graph_per_signature,
-                   cpp_wrapper=a.cpp_wrapper, adam=a.adam)
+                   adam=a.adam)
         print(json.dumps(out, indent=1))
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

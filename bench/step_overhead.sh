@@ -5,8 +5,8 @@
 # wheels and Snakemake (no teacher needed).
 #   bash bench/step_overhead.sh VARIANT ...     each variant's JSON and log to $OUT, its row printed
 # Variants: uniform (1 bpw, P = 2, the bench's student), plan055 (session 46's 0.55-bpw mixed plan, eleven block
-# signatures), plan055_own_caches (the same, a dynamo cache per signature), cpp (uniform, inductor's C++ wrapper),
-# cudagraphs (uniform, compile mode reduce-overhead), torch_adam (uniform, torch's fused Adam a group a tensor: train_student's
+# signatures), plan055_own_caches (the same, a dynamo cache per signature), cudagraphs (uniform, compile mode
+# reduce-overhead: train.cuda_graphs), torch_adam (uniform, torch's fused Adam a group a tensor: train_student's
 # optimizer before session 48's nvg.adam.OnePassAdam), profile and plan055_profile (with torch.profiler's tables).
 # About 2 minutes each on an H100 (compiles included), so four fit in one call's 600 s; STEP_LIMIT_S (default 170)
 # stops a variant that hangs in compilation and keeps the others.
@@ -19,7 +19,6 @@ for variant in "$@"; do
     uniform) args=() ;;
     plan055) args=(--plan-log "$PLAN") ;;
     plan055_own_caches) args=(--plan-log "$PLAN" --graph-per-signature) ;;
-    cpp) args=(--cpp-wrapper) ;;
     cudagraphs) args=(--compile-mode reduce-overhead) ;;
     torch_adam) args=(--adam torch-groups) ;;
     profile) args=(--profile) ;;

@@ -75,6 +75,7 @@ class TrainSettings:
     device: str
     gpus: int
     recompute_every: int
+    cuda_graphs: bool
     state_root: str
     signs: SignSettings
 
@@ -90,7 +91,7 @@ class TrainSettings:
 def state_settings(settings: TrainSettings) -> dict:
     """The settings that change the result (what names the state folder besides the inputs); hidden_weight only
     with the live teacher, the cached top-k having no hidden states."""
-    unread = ("device", "gpus", "state_root", "stop_after", "recompute_every") + (() if settings.targets == "live" else ("hidden_weight",))
+    unread = ("device", "gpus", "state_root", "stop_after", "recompute_every", "cuda_graphs") + (() if settings.targets == "live" else ("hidden_weight",))
     return {k: v for k, v in asdict(settings).items() if k not in unread}
 
 
@@ -197,7 +198,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     if s.group_code_lr > 0:
         for g in model.group_codes().values():
             g.train_codes()
-    d = Distiller(compile_blocks(model), targets, device, batch=s.batch, precision=s.precision,
+    d = Distiller(compile_blocks(model, "reduce-overhead" if s.cuda_graphs else None), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
                   teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight if live else 0.0,
                   train_group_scales=s.group_scale_lr > 0, train_dense_vocab=s.embedding_lr > 0)

@@ -259,6 +259,32 @@ def test_embedding_training_on_cuda_matches_the_cpu(stage_inputs):
     _six_steps_on_both_devices_agree(stage_inputs, "vocab-", targets="live", hidden_weight=0.5, embedding_lr=1.0)
 
 
+def test_cuda_graphs_train_as_the_compiled_blocks_do_and_resume(stage_inputs):
+    """`train.cuda_graphs`: the student's blocks replayed as CUDA graphs take the steps and give the held-out KLs
+    of the plain compiled blocks, in the GPU recipe's mode (live teacher, hidden-state loss, embedding trained,
+    signs trained), evaluations under no_grad between the steps; and a run stopped at step 3 and resumed under it
+    ends as the uninterrupted one, float32."""
+    import json
+
+    from tests.conftest import train
+
+    recipe = dict(device="cuda", precision="fp32", epochs=1, targets="live", hidden_weight=0.5, embedding_lr=1.0,
+                  signs={"enabled": True, "warm": 1, "eta": 0.2})
+    runs = {}
+    for name, graphs in (("compiled", False), ("graphs", True)):
+        train(stage_inputs, name, cuda_graphs=graphs, stop_after=6, **recipe)
+    train(stage_inputs, "graphs-resumed", cuda_graphs=True, stop_after=3, **recipe)
+    train(stage_inputs, "graphs-resumed", cuda_graphs=True, stop_after=6, **recipe)  # resumes from the state at step 2
+    for name in ("compiled", "graphs", "graphs-resumed"):
+        runs[name] = [json.loads(line) for line in (stage_inputs / f"{name}.jsonl").read_text().splitlines()]
+    losses = {name: [m["loss"] for m in ms if "loss" in m] for name, ms in runs.items()}
+    kls = {name: [m["heldout_kl"] for m in ms if "heldout_kl" in m] for name, ms in runs.items()}
+    assert len(losses["graphs"]) == 6 and len(kls["graphs"]) == 3  # before training, at steps 3 and 6
+    for name in ("graphs", "graphs-resumed"):
+        np.testing.assert_allclose(losses[name], losses["compiled"], rtol=1e-3)
+        np.testing.assert_allclose(kls[name], kls["compiled"], rtol=1e-3)
+
+
 def test_greedy_decoding_on_cuda_matches_the_cpu(tiny_cmf, monkeypatch):
     """The compiled, graph-captured decoding step (KV buckets, in-graph argmax) continues greedily
     exactly as the eager CPU model does, across KV bucket boundaries (64 tokens each here)."""
