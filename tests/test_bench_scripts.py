@@ -1,0 +1,93 @@
+"""The bench scripts that run on the CPU, each as a user runs it (its own process), on the tiny teacher, its encoded
+student and the stage outputs: it runs to its end, and what it reports holds together. A script that nothing runs
+breaks unnoticed when the library under it changes (bench/generate_bench.py did, session 48)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_bench(script: str, *args) -> str:
+    done = subprocess.run([sys.executable, str(REPO / "bench" / script), *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_excess_by_entropy_splits_the_ratio_it_reports(stage_inputs, tiny_corpus, tmp_path):
+    """Its bins and its copy classes partition every predicted position, and their excess NLL, weighted by their
+    shares, is the log of the ratio it reports for the text."""
+    import h5py
+
+    d, essay = stage_inputs, str(tiny_corpus / "essay.txt")
+    out = tmp_path / "excess.json"
+    run_bench("excess_by_entropy.py", "--teacher", d / "teacher.cmf", "--student", d / "student.cmf", "--windows",
+              d / "windows.h5", "--ood", essay, "--ood-tokens", 512, "--device", "cpu", "--precision", "fp32", "--out", out)
+    report = json.loads(out.read_text())
+    assert list(report) == ["held-out", essay]
+    with h5py.File(d / "windows.h5") as f:
+        held_out, window = len(f["tokens"]) - int(f.attrs["n_train"]), f["tokens"].shape[1]
+    assert sum(b["positions"] for b in report["held-out"]["bins"]) == held_out * (window - 1)
+    for entry in report.values():
+        bins, copies = entry["bins"], entry["copies"]
+        assert sum(b["share"] for b in bins) == pytest.approx(1.0)
+        assert copies["copy"]["positions"] + copies["other"]["positions"] == sum(b["positions"] for b in bins)
+        assert sum(b["share"] * b["mean_excess_nll"] for b in bins if b["positions"]) == pytest.approx(
+            math.log(entry["ppl_ratio"]), rel=1e-6, abs=1e-9)
+        assert entry["ppl_ratio"] != pytest.approx(1.0, abs=1e-4)  # two models (the tiny teacher is near uniform:
+        # its encoded student may even score a hair better on an unseen text)
+    assert report[essay]["mix_predicted_ppl_ratio"] > 0
+
+
+def test_ood_sample_and_score_students_give_the_teacher_ratio_one(stage_inputs, tiny_corpus, tmp_path):
+    """Scored as its own student, the teacher is at exactly 1× on every sample either script takes; its encoded
+    student is not."""
+    d, essay = stage_inputs, str(tiny_corpus / "essay.txt")
+    ratios = {}
+    for name, student in (("teacher", d / "teacher.cmf"), ("student", d / "student.cmf")):
+        out = tmp_path / f"ood-{name}.json"
+        run_bench("ood_sample.py", "--teacher", d / "teacher.cmf", "--student", student, "--source", essay,
+                  "--window", 32, "--windows", 16, "--out", out)
+        ratios[name] = json.loads(out.read_text())[essay]
+    sample = ratios["teacher"]
+    assert sample["windows_in_text"] >= 16 and len(sample["first_blocks_of_8"]) == 2
+    for key in ("first_8", "first_16", "drawn_16"):
+        assert sample[key] == pytest.approx(1.0, abs=1e-12)
+        assert ratios["student"][key] != pytest.approx(1.0, abs=1e-4)
+    out = tmp_path / "scores.json"
+    run_bench("score_students.py", "--teacher", d / "teacher.cmf", "--student", f"teacher={d / 'teacher.cmf'}",
+              "--student", f"student={d / 'student.cmf'}", "--source", essay, "--tokens", 1024, "--window", 32,
+              "--out", out)
+    scores = json.loads(out.read_text())[essay]
+    assert scores["teacher"]["ppl_ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert scores["student"]["ppl_ratio"] != pytest.approx(1.0, abs=1e-4)
+
+
+def test_topk_mass_outside_the_top_k_shrinks_as_k_grows(tiny_cmf, tiny_corpus):
+    essay = str(tiny_corpus / "essay.txt")
+    report = json.loads(run_bench("topk_mass.py", "--teacher", tiny_cmf, "--source", essay, "--k", 2, "--k", 8,
+                                  "--k", 32, "--tokens", 512, "--window", 64))[essay]
+    means = [report[f"outside_top{k}"]["mean"] for k in (2, 8, 32)]
+    assert report["tokens"] == 512 and 1 > means[0] > means[1] > means[2] >= 0
+
+
+def test_replaying_the_sign_guards_finds_session_22s_avalanche_and_nothing_in_a_guarded_run():
+    """Session 22's five epochs diverged at step 240 (docs/quality.md): the spike guard, replayed on its recorded
+    flips, fires from step 239; on session 49's run, trained with the guards, it would not have fired."""
+    runs = REPO / "docs" / "runs"
+    avalanche = run_bench("replay_sign_guards.py", runs / "metrics-s22-live_uv_bsigns_max.jsonl.gz", "--signs", 91699200,
+                          "--steps", 2550, "--set", "max_step_flip=0.01", "--first", 3).splitlines()
+    assert [line.split(" (")[0] for line in avalanche] == ["step 239", "step 240", "step 241"]
+    assert all("sign η halved" in line for line in avalanche)
+    guarded = run_bench("replay_sign_guards.py",
+                        runs / "metrics-s49-live_uv_bsigns_wide-hidden03-manuals30-embedding_lr01-batch64-9ep.jsonl.gz",
+                        "--signs", 91699200, "--steps", 2286, "--set", "grad_clip=2")
+    assert guarded.strip() == "no guard would have fired"
