@@ -39,6 +39,16 @@ def bits_per_weight(paths: int, rank: int, d_out: int, d_in: int) -> float:
     return 8.0 * payload_nbytes(paths, rank, d_out, d_in) / (d_out * d_in)
 
 
+def path_counts(bpw: float, setting: str, d_out: int, d_in: int) -> tuple[int, ...]:
+    """The path counts the encoder tries at `bpw` under config encode.paths `setting` ("1", "2", or "auto": both);
+    a budget too small for two paths of rank 8 gets one."""
+    if setting == "auto":
+        return (1, 2)
+    if setting == "2" and max_rank(bpw, 2, d_out, d_in) < 8:
+        return (1,)
+    return (int(setting),)
+
+
 def max_rank(bpw: float, paths: int, d_out: int, d_in: int) -> int:
     """The largest multiple of 8 whose payload fits `bpw` bits per weight; 0 when even r = 8 does not."""
     budget_bytes = bpw * d_out * d_in / 8.0

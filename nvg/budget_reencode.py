@@ -28,7 +28,7 @@ from nvg.gptq import descended_codes, gptq_codes, least_squares_scales
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
 from nvg.model import nearest_code, pick_device
-from nvg.plan import VOCAB_LINES, read_plan
+from nvg.plan import VOCAB_LINES, filled_budgets, read_plan
 from nvg.progress import bar
 from nvg.settings import SETTINGS_HELP, load
 
@@ -162,6 +162,8 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
             bpw, origin = bpw * settings.kv_factor, f"{origin} × config encode.kv_factor {settings.kv_factor}"
         check_room(name, t_cmf.tensors[name].shape, bpw, origin)
         budgets[name] = bpw
+    if settings.fill:
+        budgets = filled_budgets(budgets, {n: t_cmf.tensors[n].shape for n in body}, settings.paths)
     vocab = {}  # the embedding's and LM head's (format, bpw if blr), settled and checked as the budgets are
     for name in (n for n in VOCAB_MATRICES if n in t_cmf.tensors):
         fmt, bpw, origin = plan.vocab_rule(name, settings.embedding, settings.embedding_bpw)
@@ -213,7 +215,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     header = dict(base.header)
     prov = dict(header.get("provenance", {}))
     blr_bpw = {name: bpw for name, (fmt, bpw) in vocab.items() if fmt == "blr"}
-    prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw,
+    prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw, "fill": settings.fill,
                           "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "v_groups": settings.v_groups, "embedding": vocab["model.embed_tokens.weight"][0], "embedding_bpw": blr_bpw.get("model.embed_tokens.weight"), "lm_head": vocab.get("lm_head.weight", (None,))[0], "lm_head_bpw": blr_bpw.get("lm_head.weight"), "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov

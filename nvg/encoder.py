@@ -33,6 +33,7 @@ class EncodeSettings:
 
     SECTION: ClassVar[str] = "encode"
     bpw: float
+    fill: bool
     method: str
     paths: str
     kv_factor: float
@@ -193,10 +194,7 @@ def encode_tensor(W: np.ndarray, H_fit: np.ndarray, H_sel: np.ndarray, bpw: floa
     H, chol = damped(torch.from_numpy(H_fit).to(device, torch.float32), s.damp)
     rho = row_weights(Wt, H, role, head_dim, s.rowweight)
     best = None
-    candidates = (1, 2) if s.paths == "auto" else (int(s.paths),)
-    if s.paths == "2" and codec.max_rank(bpw, 2, d_out, d_in) < 8:
-        candidates = (1,)  # a budget too small for two paths of rank 8 gets one
-    for paths in candidates:
+    for paths in codec.path_counts(bpw, s.paths, d_out, d_in):
         r = codec.max_rank(bpw, paths, d_out, d_in)
         if r < 8:
             continue

@@ -13,7 +13,7 @@ from nvg.budget_reencode import main
 from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.cmf import BLR, read_cmf
 from nvg.errors import NvgError
-from nvg.plan import parse_plan, read_plan
+from nvg.plan import filled_budgets, parse_plan, read_plan
 from nvg.settings import load
 from tests.conftest import REPO
 
@@ -198,6 +198,57 @@ def test_reencode_changes_only_planned_tensors(encoded, tiny_cmf):
     changed = [n for n in old.tensors if bytes(old.tensors[n].data) != bytes(new.tensors[n].data)]
     assert changed == ["model.layers.1.mlp.down_proj.weight"]
     assert codec.parse_header(bytes(new.tensors[changed[0]].data[:16])).rank > codec.parse_header(bytes(old.tensors[changed[0]].data[:16])).rank
+
+
+SMOLLM2_BODY = {f"model.layers.{layer}.{role}.weight": shape for layer in range(30) for role, shape in {
+    "self_attn.q_proj": (576, 576), "self_attn.k_proj": (192, 576), "self_attn.v_proj": (192, 576),
+    "self_attn.o_proj": (576, 576), "mlp.gate_proj": (1536, 576), "mlp.up_proj": (1536, 576), "mlp.down_proj": (576, 1536)}.items()}
+
+
+def body_bits(budgets: dict, shapes: dict, paths: str) -> float:
+    """Bits the body spends, each tensor at the path count that spends the most under its budget."""
+    return sum(max(8 * codec.payload_nbytes(p, codec.max_rank(b, p, *shapes[n]), *shapes[n])
+                   for p in codec.path_counts(b, paths, *shapes[n])) for n, b in budgets.items())
+
+
+@pytest.mark.parametrize("paths", ["2", "auto"])
+@pytest.mark.parametrize("plan", ["uniform 1.0", "layer 0 at 2.0, the rest 0.55"])
+def test_filling_spends_the_bodys_bits_as_a_whole_and_never_more(paths, plan):
+    """encode.fill on SmolLM2-135M's body: at 1.0 bpw each tensor's cap leaves it at 0.957 (rank 184 in the MLP,
+    where 192 takes 1.0001); filled, it spends all but a rank step's bits of its budget and no more, and no tensor's
+    rank falls."""
+    shapes = SMOLLM2_BODY
+    budgets = {n: 1.0 for n in shapes} if plan == "uniform 1.0" else {
+        n: 2.0 if n.startswith("model.layers.0.") else 0.55 for n in shapes}
+    allowance = sum(b * shapes[n][0] * shapes[n][1] for n, b in budgets.items())
+    filled = filled_budgets(budgets, shapes, paths)
+    before, after = body_bits(budgets, shapes, paths), body_bits(filled, shapes, paths)
+    assert before < after <= allowance
+    smallest_step = min(8 * codec.payload_nbytes(2, 8, o, i) - 8 * codec.payload_nbytes(2, 0, o, i) for o, i in shapes.values())
+    assert allowance - after < smallest_step
+    for n, (o, i) in shapes.items():
+        for p in codec.path_counts(budgets[n], paths, o, i):
+            assert codec.max_rank(filled[n], p, o, i) >= codec.max_rank(budgets[n], p, o, i)
+    if plan == "uniform 1.0" and paths == "2":
+        weights = sum(o * i for o, i in shapes.values())
+        assert before / weights == pytest.approx(0.9571, abs=1e-4) and after / weights > 0.999
+        assert {codec.max_rank(filled[n], 2, *shapes[n]) for n in shapes if ".mlp." in n} == {192}
+
+
+def test_filling_stops_at_full_rank():
+    shapes = {"a": (16, 16), "b": (16, 32)}
+    assert filled_budgets({"a": 16.0, "b": 16.0}, shapes, "2") == {"a": 16.0, "b": 16.0}
+
+
+def test_a_filled_encoding_spends_more_of_its_budget_and_records_it(encoded, tiny_cmf):
+    main(tiny_cmf, encoded / "grams.h5", encoded / "filled.cmf", encoded / "filled.json",
+         load(EncodeSettings, bpw=2.0, fill=True, device="cpu"))
+    capped, filled = (json.loads((encoded / f"{name}.json").read_text()) for name in ("enc", "filled"))
+    assert capped["body_bpw"] < filled["body_bpw"] <= 2.0
+    # a budget raised past two paths of rank 8 takes them instead of one path (encode.paths "2"): paths × rank holds
+    assert all(filled["tensors"][n]["paths"] * filled["tensors"][n]["rank"] >= row["paths"] * row["rank"]
+               for n, row in capped["tensors"].items())
+    assert read_cmf(encoded / "filled.cmf").header["provenance"]["nvg_encode"]["fill"] is True
 
 
 def test_plan_error_comes_before_any_model_is_read(tmp_path):
