@@ -130,6 +130,8 @@ start)
   # NAME:0,1 is one variant on both (with bench/ablation/gpus2.yaml, train_student under torchrun). A chain that
   # outlasts the call it starts in needs the next `collect` call within the 30 s the machine stays warm: session 34
   # lost two chains to later calls, so plan a variant to end inside the call that starts it.
+  # ABLATION_FROM=OTHER: the first variant, too, starts from a copy of variant OTHER's folder, without its training
+  # (session 50's chain lost its training to a failing option after an eight-minute prefix, and went on so).
   shift
   mkdir -p /root/chain  # not /root/out: the device's $OUT is emptied at each call's start (session 27 lost chain.log so)
   rm -f /root/chain/*.done /root/chain/*.tgz  # an earlier chain's marks: `collect` would take this one for ended
@@ -151,7 +153,8 @@ chain)
     dir=/root/ablation/$name
     if [[ ! -d $dir ]]; then
       mkdir -p /root/ablation
-      if [[ $name != "$first" ]]; then cp -a "/root/ablation/$first" "$dir" && rm -rf "$dir/results/train" "$dir/results/eval.json" "$dir"/excess.*
+      from=${ABLATION_FROM:-}; [[ $name != "$first" ]] && from=$first
+      if [[ -n $from ]]; then cp -a "/root/ablation/$from" "$dir" && rm -rf "$dir/results/train" "$dir/results/eval.json" "$dir"/excess.* "$dir/logs/train_student.log"
       else cp -a "$PWD" "$dir"; fi
     fi
     # this call's overlays: a folder made in an earlier call lacks an overlay added since (session 36 lost a call so)

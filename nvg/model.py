@@ -336,6 +336,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = body
+        self.cuda_graph_passes = False  # compile_blocks sets it when the blocks replay CUDA graphs
         if lm_head is not None:
             self.lm_head = BlrVocab(lm_head) if isinstance(lm_head, blr_codec.BlrTensor) else DenseLinear(lm_head)
 
@@ -361,6 +362,11 @@ class Llama(nn.Module):
         hidden-state loss) holds them; one that wants the last (`hidden`) lets each go in turn."""
         if ids.shape[1] > self.cfg.max_position_embeddings:
             raise NvgError(f"window of {ids.shape[1]} tokens exceeds the model's max_position_embeddings {self.cfg.max_position_embeddings}")
+        if self.cuda_graph_passes:
+            # Each compiled block is a torch.compile invocation of its own. Unmarked, CUDA graph trees begin a
+            # new generation at each one that has no backward pending (a no_grad evaluation), and its replay
+            # overwrites the block before's output (session 50's first GPU run failed so): one pass, one step.
+            torch.compiler.cudagraph_mark_step_begin()
         x = self.embed(ids)
         cos, sin = rotary_tables(self.cfg, ids.shape[1], ids.device)
         for i, layer in enumerate(self.model.layers):
@@ -525,13 +531,14 @@ def compile_blocks(model: Llama, mode: str | None = None) -> Llama:
     process, and past it runs the remaining blocks eager without failing. A mixed plan has one signature
     per distinct combination of paths and ranks in a block (10 at 0.55 bpw on SmolLM2 with paths auto),
     and there its training ran at half speed (81k tok/s against 168k at 1.0 bpw, where there are 3):
-    so the limit grows with the signatures compiled. `mode`: torch.compile's (bench/gpu_bench.py tries
-    reduce-overhead, CUDA graphs, on the host-bound sign modes); the pipeline's is inductor's default."""
+    so the limit grows with the signatures compiled. `mode`: torch.compile's; reduce-overhead (CUDA graphs,
+    `train.cuda_graphs`) makes each pass of the model one CUDA-graph step (see `residuals`)."""
     if model.head_weight.is_cuda:
         signatures = {tuple(p.shape for p in layer.parameters()) for layer in model.model.layers}
         torch._dynamo.config.recompile_limit += GRAPHS_PER_SIGNATURE * len(signatures)
         for layer in model.model.layers:
             layer.compile(mode=mode)
+        model.cuda_graph_passes = mode in ("reduce-overhead", "max-autotune")
     return model
 
 
