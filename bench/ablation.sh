@@ -7,7 +7,8 @@
 #                                              for the next session
 #   NAME is bench/ablation/NAME.yaml over base.yaml; A+B overlays B on A (e.g. live_uv_bsigns_wide+embedding_q2tp)
 #   bash bench/ablation.sh start NAME[:GPU] ...  each GPU's variants one after another in a detached process that runs
-#                                              on between device calls; `collect SECONDS` waits and sends back
+#                                              on between device calls; `collect SECONDS` waits and sends back;
+#                                              GPU 0b: a second chain on GPU 0 beside a running one
 #   bash bench/ablation.sh run NAME[:GPU] ...  each variant (bench/ablation/NAME.yaml over base.yaml) in its
 #                                              own copy of this checkout with those results, one per GPU, in
 #                                              parallel; then its eval.json, metrics, logs and stage times to $OUT
@@ -65,14 +66,14 @@ overlays() {
 }
 # Variant $1's Snakemake in the current folder (its copy), on GPU $2, to snakemake.log; `run` and `chain` both use it.
 variant_snakemake() {
-  CUDA_VISIBLE_DEVICES=$2 snakemake --cores "${ABLATION_CORES:-$3}" ${RUN_TARGETS:-results/model.cmf results/eval.json} \
+  CUDA_VISIBLE_DEVICES=${2//[a-z]/} snakemake --cores "${ABLATION_CORES:-$3}" ${RUN_TARGETS:-results/model.cmf results/eval.json} \
     $TRIGGERS --quiet rules --configfile $BASE $(overlays "$1") > snakemake.log 2>&1
 }
 # The finished student's extra loss by the teacher's entropy (bench/excess_by_entropy.py, seconds on the GPU), where
 # the variant got that far.
 variant_excess() {
   [[ -e results/eval.json ]] || return 0
-  CUDA_VISIBLE_DEVICES=$1 python bench/excess_by_entropy.py --teacher results/teacher.cmf --student results/model.cmf \
+  CUDA_VISIBLE_DEVICES=${1//[a-z]/} python bench/excess_by_entropy.py --teacher results/teacher.cmf --student results/model.cmf \
     --windows results/data/windows.h5 --ood-tokens 16384 --batch 16 --out excess.json > excess.log 2>&1 || true
 }
 # What comes back of a variant: its Snakemake log, job logs, stage times, eval.json, training metrics and the split.
@@ -132,16 +133,26 @@ start)
   # lost two chains to later calls, so plan a variant to end inside the call that starts it.
   # ABLATION_FROM=OTHER: the first variant, too, starts from a copy of variant OTHER's folder, without its training
   # (session 50's chain lost its training to a failing option after an eight-minute prefix, and went on so).
+  # A GPU with a letter (NAME:0b) is another chain on that GPU, beside one still running (which `start` keeps): the
+  # step is host-bound, one Python thread at 98 % of a core with the GPU waiting on it (session 50), so a second
+  # training on the same GPU uses what the first leaves idle. Start it once the first one's prefix is done, from that
+  # folder: ABLATION_FROM=FIRST bash bench/ablation.sh start SECOND:0b.
   shift
   mkdir -p /root/chain  # not /root/out: the device's $OUT is emptied at each call's start (session 27 lost chain.log so)
-  rm -f /root/chain/*.done /root/chain/*.tgz  # an earlier chain's marks: `collect` would take this one for ended
-  cp bench/ablation.sh /root/chain/ablation.sh  # bash reads a script as it runs it: the next call's checkout may replace this one
-  gpus=$(for spec in "$@"; do gpu=${spec#*:}; [[ $gpu == "$spec" ]] && gpu=0; echo "$gpu"; done | sort -u)
-  echo ${gpus//,/-} > /root/chain/gpus
+  running=$(for g in $(cat /root/chain/gpus 2>/dev/null); do [[ -e /root/chain/chain.$g.done ]] || echo "$g"; done | xargs)
+  # an ended chain's marks: `collect` would take this one for ended
+  [[ -n $running ]] || rm -f /root/chain/*.done /root/chain/*.tgz
+  gpus=$(for spec in "$@"; do gpu=${spec#*:}; [[ $gpu == "$spec" ]] && gpu=0; echo "${gpu//,/-}"; done | sort -u)
   for gpu in $gpus; do
-    specs=(); for spec in "$@"; do g=${spec#*:}; [[ $g == "$spec" ]] && g=0; [[ $g == "$gpu" ]] && specs+=("$spec"); done
+    [[ " $running " != *" $gpu "* ]] || { echo "GPU $gpu's chain is still running: name another (${gpu}b) to run beside it" >&2; exit 1; }
+  done
+  echo $running $gpus > /root/chain/gpus
+  for gpu in $gpus; do
+    specs=(); for spec in "$@"; do g=${spec#*:}; [[ $g == "$spec" ]] && g=0; [[ ${g//,/-} == "$gpu" ]] && specs+=("$spec"); done
+    # bash reads a script as it runs it: the next call's checkout, or the next chain's start, may replace this one
+    cp bench/ablation.sh "/root/chain/ablation.$gpu.sh"
     # file names without ',' (GPU list 0,1: one variant on both GPUs), which the device does not send back
-    CHAIN_GPU=${gpu//,/-} setsid nohup bash /root/chain/ablation.sh chain "${specs[@]}" > "/root/chain/chain.${gpu//,/-}.log" 2>&1 < /dev/null &
+    CHAIN_GPU=$gpu setsid nohup bash "/root/chain/ablation.$gpu.sh" chain "${specs[@]}" > "/root/chain/chain.$gpu.log" 2>&1 < /dev/null &
     echo "started on GPU $gpu: ${specs[*]}"
   done
   ;;

@@ -330,7 +330,9 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
     s, st, d = run.settings, run.state, run.d
     d.restore(st.best)
     run.say(f"train_student: best held-out KL {st.best_kl:.5f} at step {st.best_step} (start {st.e0:.5f}); "
-            f"{st.skipped} non-finite steps skipped; {st.done} steps")
+            f"{st.skipped} non-finite steps skipped; {st.done} steps"
+            # what a second run beside this one on the same GPU has left (bench/ablation.sh runs chains side by side)
+            + (f"; peak GPU memory {torch.cuda.max_memory_allocated(d.device) / 2**30:.1f} GiB" if d.device.type == "cuda" else ""))
     if run.group.main:
         write_student(run.student, d.model, out, "nvg_train", {
             "teacher": teacher_name, "windows_hash": d.targets.windows_hash, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
