@@ -8,7 +8,8 @@
 #   NAME is bench/ablation/NAME.yaml over base.yaml; A+B overlays B on A (e.g. live_uv_bsigns_wide+embedding_q2tp)
 #   bash bench/ablation.sh start NAME[:GPU] ...  each GPU's variants one after another in a detached process that runs
 #                                              on between device calls; `collect SECONDS` waits and sends back;
-#                                              GPU 0b: a second chain on GPU 0 beside a running one
+#                                              GPU 0b: a second chain on GPU 0 beside a running one;
+#                                              `stop GPU` ends that chain now
 #   bash bench/ablation.sh run NAME[:GPU] ...  each variant (bench/ablation/NAME.yaml over base.yaml) in its
 #                                              own copy of this checkout with those results, one per GPU, in
 #                                              parallel; then its eval.json, metrics, logs and stage times to $OUT
@@ -153,6 +154,7 @@ start)
     cp bench/ablation.sh "/root/chain/ablation.$gpu.sh"
     # file names without ',' (GPU list 0,1: one variant on both GPUs), which the device does not send back
     CHAIN_GPU=$gpu setsid nohup bash "/root/chain/ablation.$gpu.sh" chain "${specs[@]}" > "/root/chain/chain.$gpu.log" 2>&1 < /dev/null &
+    echo $! > "/root/chain/chain.$gpu.pid"  # setsid: the chain leads its own process group, Snakemake's jobs in it
     echo "started on GPU $gpu: ${specs[*]}"
   done
   ;;
@@ -180,6 +182,13 @@ chain)
       mv "/root/chain/${name//+/__}.tgz.part" "/root/chain/${name//+/__}.tgz" )
   done
   touch "/root/chain/chain.${CHAIN_GPU:-0}.done"
+  ;;
+stop)
+  # `stop GPU`: that chain ends now, Snakemake and its jobs with it (train_student saves no state when killed so), and
+  # `collect` no longer waits for it; e.g. a second chain beside another (0b) that slows the first past its time.
+  kill -- -"$(cat "/root/chain/chain.$2.pid")" 2>/dev/null || true
+  touch "/root/chain/chain.$2.done"
+  echo "stopped the chain on GPU $2"
   ;;
 collect)
   # Wait up to $2 seconds for every chain to end, then send back every finished variant's archive, the chains' logs
