@@ -184,7 +184,7 @@ chain)
   touch "/root/chain/chain.${CHAIN_GPU:-0}.done"
   ;;
 stop)
-  # `stop GPU`: that chain ends now, Snakemake and its jobs with it (train_student saves no state when killed so), and
+  # `stop GPU`: that chain ends now, Snakemake and its jobs with it (train_student saves its state at the step it stops, as at the call limit), and
   # `collect` no longer waits for it; e.g. a second chain beside another (0b) that slows the first past its time.
   kill -- -"$(cat "/root/chain/chain.$2.pid")" 2>/dev/null || true
   touch "/root/chain/chain.$2.done"
