@@ -134,10 +134,11 @@ start)
   # lost two chains to later calls, so plan a variant to end inside the call that starts it.
   # ABLATION_FROM=OTHER: the first variant, too, starts from a copy of variant OTHER's folder, without its training
   # (session 50's chain lost its training to a failing option after an eight-minute prefix, and went on so).
-  # A GPU with a letter (NAME:0b) is another chain on that GPU, beside one still running (which `start` keeps): the
-  # step is host-bound, one Python thread at 98 % of a core with the GPU waiting on it (session 50), so a second
-  # training on the same GPU uses what the first leaves idle. Start it once the first one's prefix is done, from that
-  # folder: ABLATION_FROM=FIRST bash bench/ablation.sh start SECOND:0b.
+  # A GPU with a letter (NAME:0b) is another chain on that GPU, beside one still running (which `start` keeps): where
+  # the step is host-bound (train_student's one Python thread at 98 % of a core, session 50), a second training on
+  # the same GPU uses what the first leaves idle. The GPU's work for 32 x 1024 tokens was 163 ms in session 37's
+  # profile (docs/benchmarks.md): about 0.16 s of the step's 0.29 at 32 windows, 0.33 of its 0.41 at 64. Start it once the first one's prefix is
+  # done, from that folder: ABLATION_FROM=FIRST bash bench/ablation.sh start SECOND:0b. Not yet run on the device.
   shift
   mkdir -p /root/chain  # not /root/out: the device's $OUT is emptied at each call's start (session 27 lost chain.log so)
   running=$(for g in $(cat /root/chain/gpus 2>/dev/null); do [[ -e /root/chain/chain.$g.done ]] || echo "$g"; done | xargs)
