@@ -64,6 +64,24 @@ def test_window_longer_than_max_positions_is_an_error(tiny_cmf):
         load_model(tiny_cmf).hidden(torch.zeros(1, 300, dtype=torch.long))
 
 
+def test_each_pass_of_blocks_replayed_as_cuda_graphs_is_one_graph_step(tiny_cmf, monkeypatch):
+    """With `train.cuda_graphs` each compiled block is a torch.compile invocation of its own that replays a CUDA
+    graph: each pass of the model, training or under no_grad, marks one CUDA-graph step, so that no block's replay
+    overwrites the output the next block reads (session 50's first GPU run failed so; the CUDA test runs the graphs
+    themselves). The marks are counted here on the eager CPU model; a model without graphs marks nothing."""
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(len(marks)))
+    model = load_model(tiny_cmf)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    model.hidden(ids)
+    assert marks == []
+    model.cuda_graph_passes = True
+    with torch.no_grad():
+        model.hidden(ids)
+    residuals = list(model.residuals(ids))
+    assert marks == [0, 1] and len(residuals) == model.cfg.num_layers
+
+
 @pytest.mark.slow
 def test_real_smollm2_parity_and_tokenizer(real_teacher_cmf):
     """The real teacher: our CMF from the GGUF gives transformers' logits and token ids."""
