@@ -190,11 +190,13 @@ def test_encode_report_and_student_file(encoded, tiny_cmf):
 
 
 def test_reencode_changes_only_planned_tensors(encoded, tiny_cmf):
+    """Each tensor at its cap (fill false: with the fill, a budget raised in the plan moves the others' fills too)."""
     plan = encoded / "plan.txt"
     plan.write_text("default 2.0\ntensor model.layers.1.mlp.down_proj.weight 3.0\n")
-    main(tiny_cmf, encoded / "grams.h5", encoded / "re.cmf", encoded / "re.json", load(EncodeSettings, bpw=2.0, device="cpu"),
-         plan_path=plan, student=encoded / "enc.cmf")
-    old, new = read_cmf(encoded / "enc.cmf"), read_cmf(encoded / "re.cmf")
+    capped = load(EncodeSettings, bpw=2.0, fill=False, device="cpu")
+    main(tiny_cmf, encoded / "grams.h5", encoded / "cap.cmf", encoded / "cap.json", capped)
+    main(tiny_cmf, encoded / "grams.h5", encoded / "re.cmf", encoded / "re.json", capped, plan_path=plan, student=encoded / "cap.cmf")
+    old, new = read_cmf(encoded / "cap.cmf"), read_cmf(encoded / "re.cmf")
     changed = [n for n in old.tensors if bytes(old.tensors[n].data) != bytes(new.tensors[n].data)]
     assert changed == ["model.layers.1.mlp.down_proj.weight"]
     assert codec.parse_header(bytes(new.tensors[changed[0]].data[:16])).rank > codec.parse_header(bytes(old.tensors[changed[0]].data[:16])).rank
@@ -241,14 +243,17 @@ def test_filling_stops_at_full_rank():
 
 
 def test_a_filled_encoding_spends_more_of_its_budget_and_records_it(encoded, tiny_cmf):
-    main(tiny_cmf, encoded / "grams.h5", encoded / "filled.cmf", encoded / "filled.json",
-         load(EncodeSettings, bpw=2.0, fill=True, device="cpu"))
-    capped, filled = (json.loads((encoded / f"{name}.json").read_text()) for name in ("enc", "filled"))
+    """encode.fill (the default) against each tensor at its cap (fill false, every run before session 50)."""
+    for name, fill in (("capped", False), ("filled", True)):
+        main(tiny_cmf, encoded / "grams.h5", encoded / f"{name}.cmf", encoded / f"{name}.json",
+             load(EncodeSettings, bpw=2.0, fill=fill, device="cpu"))
+    capped, filled = (json.loads((encoded / f"{name}.json").read_text()) for name in ("capped", "filled"))
     assert capped["body_bpw"] < filled["body_bpw"] <= 2.0
     # a budget raised past two paths of rank 8 takes them instead of one path (encode.paths "2"): paths × rank holds
     assert all(filled["tensors"][n]["paths"] * filled["tensors"][n]["rank"] >= row["paths"] * row["rank"]
                for n, row in capped["tensors"].items())
-    assert read_cmf(encoded / "filled.cmf").header["provenance"]["nvg_encode"]["fill"] is True
+    assert [read_cmf(encoded / f"{name}.cmf").header["provenance"]["nvg_encode"]["fill"] for name in ("capped", "filled")] == [False, True]
+    assert load(EncodeSettings).fill is True
 
 
 def test_plan_error_comes_before_any_model_is_read(tmp_path):
