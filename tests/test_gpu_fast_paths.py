@@ -262,8 +262,9 @@ def test_embedding_training_on_cuda_matches_the_cpu(stage_inputs):
 def test_cuda_graphs_train_as_the_compiled_blocks_do_and_resume(stage_inputs):
     """`train.cuda_graphs`: the student's blocks replayed as CUDA graphs take the steps and give the held-out KLs
     of the plain compiled blocks, in the GPU recipe's mode (live teacher, hidden-state loss, embedding trained,
-    signs trained), evaluations under no_grad between the steps; and a run stopped at step 3 and resumed under it
-    ends as the uninterrupted one, float32."""
+    signs trained), evaluations under no_grad between the steps, with every block recomputed in backward (the
+    default) and with none (`recompute_every: 0`, bench/ablation/recompute0.yaml); and a run stopped at step 3 and
+    resumed under it ends as the uninterrupted one, float32."""
     import json
 
     from tests.conftest import train
@@ -275,12 +276,13 @@ def test_cuda_graphs_train_as_the_compiled_blocks_do_and_resume(stage_inputs):
         train(stage_inputs, name, cuda_graphs=graphs, stop_after=6, **recipe)
     train(stage_inputs, "graphs-resumed", cuda_graphs=True, stop_after=3, **recipe)
     train(stage_inputs, "graphs-resumed", cuda_graphs=True, stop_after=6, **recipe)  # resumes from the state at step 2
-    for name in ("compiled", "graphs", "graphs-resumed"):
+    train(stage_inputs, "graphs-kept", cuda_graphs=True, recompute_every=0, stop_after=6, **recipe)
+    for name in ("compiled", "graphs", "graphs-resumed", "graphs-kept"):
         runs[name] = [json.loads(line) for line in (stage_inputs / f"{name}.jsonl").read_text().splitlines()]
     losses = {name: [m["loss"] for m in ms if "loss" in m] for name, ms in runs.items()}
     kls = {name: [m["heldout_kl"] for m in ms if "heldout_kl" in m] for name, ms in runs.items()}
     assert len(losses["graphs"]) == 6 and len(kls["graphs"]) == 3  # before training, at steps 3 and 6
-    for name in ("graphs", "graphs-resumed"):
+    for name in ("graphs", "graphs-resumed", "graphs-kept"):
         np.testing.assert_allclose(losses[name], losses["compiled"], rtol=1e-3)
         np.testing.assert_allclose(kls[name], kls["compiled"], rtol=1e-3)
 
