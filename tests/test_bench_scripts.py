@@ -91,3 +91,29 @@ def test_replaying_the_sign_guards_finds_session_22s_avalanche_and_nothing_in_a_
                         runs / "metrics-s49-live_uv_bsigns_wide-hidden03-manuals30-embedding_lr01-batch64-9ep.jsonl.gz",
                         "--signs", 91699200, "--steps", 2286, "--set", "grad_clip=2")
     assert guarded.strip() == "no guard would have fired"
+
+
+def test_adam_groups_times_each_optimizer_over_train_students_tensors():
+    """Its student's trainable tensors are train_student's on SmolLM2's shape, a group each: h, ℓ and g of each of the
+    210 BLR linears (one tensor each, its paths stacked) and the 61 norm gains; each of the three optimizers reports
+    a time."""
+    out = run_bench("adam_groups.py").splitlines()
+    assert out[0] == f"{3 * 210 + 61} tensors, one group each, on cpu"
+    times = {line.split(":")[0].strip(): line.split(":")[1] for line in out[1:]}
+    assert list(times) == ["torch Adam, foreach", "torch Adam, fused", "nvg OnePassAdam"]
+    for reported in times.values():
+        ms, unit = reported.split(maxsplit=1)
+        assert unit == "ms an update" and math.isfinite(float(ms)) and float(ms) > 0
+
+
+def test_cpu_step_times_the_parts_of_a_step_on_the_stage_outputs(stage_inputs):
+    d = stage_inputs
+    out = run_bench("cpu_step.py", d / "student.cmf", d / "windows.h5", d / "topk.0.h5", "--batch", 2,
+                    "--precision", "fp32").strip()
+    head, tail = out.split(": ", 1)
+    with __import__("h5py").File(d / "windows.h5") as f:
+        window = f["tokens"].shape[1]
+    assert head == f"batch 2 ({2 * window} tokens)"
+    parts = [p.split() for p in tail.split("; ")[0].split(", ")]
+    assert [p[0] for p in parts] == ["forward", "backward", "adam"] and all(float(p[1]) > 0 and p[2] == "s" for p in parts)
+    assert tail.split("; ")[1].startswith("held-out KL pass ")
