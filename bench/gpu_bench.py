@@ -311,7 +311,7 @@ def profiled(fn, steps: int = 2) -> dict[str, str]:
 
 def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tflops: float, profile: bool = False,
                only: list[str] | None = None, plan: dict | None = None, compile_mode: str | None = None,
-               per_signature: bool = False, adam: str = "one-pass") -> dict:
+               per_signature: bool = False, adam: str = "one-pass", recompute_every: int = 1) -> dict:
     """train_student's step in each training mode (docs/training.md) on a model of shape `cfg` (random
     weights, 1 bpw, P = 2), batch × WINDOW tokens, each beside the plain-transformers dense KD step: the
     cached top-64 (`targets: topk`), the live teacher (`targets: live`, full-vocabulary KL), the live teacher
@@ -322,7 +322,8 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     `plan`: the student's paths and ranks from a pipeline's log (`read_plan`) instead of 1 bpw, P = 2. `compile_mode`:
     torch.compile's mode for the student's blocks (e.g. reduce-overhead: CUDA graphs, for the host-bound sign modes).
     `per_signature`: each block signature's graphs in a dynamo cache of their own (`graph_per_signature`). `adam`: the
-    student's optimizer (`student_adam`)."""
+    student's optimizer (`student_adam`). `recompute_every`: train.recompute_every (1, the schema's default: each
+    block's forward again in backward; 0 keeps every block's activations)."""
     torch.manual_seed(0)
     big = hf_model(cfg, None)
     dense = {n: p.detach().float().cpu() for n, p in big.state_dict().items() if n != "lm_head.weight"}
@@ -373,7 +374,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         sfpt = blr_flops_per_token(student) + attention_flops(cfg)
         # teacher_memo_bytes 0: the live teacher runs every step, as for the pipeline's thousands of windows (the
         # bench's 16 would otherwise be kept after the first step: session 37's rows without the hidden loss were)
-        d = Distiller(student, targets, torch.device("cuda"), batch=batch, precision="bf16", recompute_every=1, teacher=t,
+        d = Distiller(student, targets, torch.device("cuda"), batch=batch, precision="bf16", recompute_every=recompute_every, teacher=t,
                       hidden_weight=hidden_weight, teacher_memo_bytes=0, train_dense_vocab=embedding)
         if signs is not None:
             d.modes.append(SignTrainer(d.model.blr_linears(), load(SignSettings, enabled=True, **signs), 1000, Group()))
@@ -422,6 +423,8 @@ def main():
                     help="with --modes: each block signature's compiled graphs in a dynamo cache of their own")
     ap.add_argument("--adam", default="one-pass", choices=["one-pass", "torch-groups", "torch-one-group"],
                     help="with --modes: the student's Adam (student_adam)")
+    ap.add_argument("--recompute-every", type=int, default=1, choices=[0, 1],
+                    help="with --modes: train.recompute_every of the timed steps (0: no block recomputed)")
     a = ap.parse_args()
     if a.modes and len(a.batch) != len(a.shapes):
         ap.error("--batch takes one value per --shapes")
@@ -434,10 +437,10 @@ def main():
         shapes = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.2-1B-shaped": LLAMA_1B}
         out["step"] = {name: step_modes(shapes[name], batch, a.iters, a.windows, out["bf16_matmul_TFLOP_s"], a.profile,
                                            a.only, a.plan_log and read_plan(a.plan_log, shapes[name]), a.compile_mode,
-                                           a.graph_per_signature, a.adam)
+                                           a.graph_per_signature, a.adam, a.recompute_every)
                        for name, batch in zip(a.shapes, a.batch)}
         out.update(plan_log=a.plan_log, compile_mode=a.compile_mode, graph_per_signature=a.graph_per_signature,
-                   adam=a.adam)
+                   adam=a.adam, recompute_every=a.recompute_every)
         print(json.dumps(out, indent=1))
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
