@@ -106,14 +106,18 @@ def test_adam_groups_times_each_optimizer_over_train_students_tensors():
         assert unit == "ms an update" and math.isfinite(float(ms)) and float(ms) > 0
 
 
-def test_cpu_step_times_the_parts_of_a_step_on_the_stage_outputs(stage_inputs):
+def test_cpu_step_times_train_students_step_on_the_stage_outputs(stage_inputs):
+    """The step train_student takes, live teacher (the default) and cached top-k alike: each round's median step, and
+    one held-out pass."""
+    import h5py
+
     d = stage_inputs
-    out = run_bench("cpu_step.py", d / "student.cmf", d / "windows.h5", d / "topk.0.h5", "--batch", 2,
-                    "--precision", "fp32").strip()
-    head, tail = out.split(": ", 1)
-    with __import__("h5py").File(d / "windows.h5") as f:
+    with h5py.File(d / "windows.h5") as f:
         window = f["tokens"].shape[1]
-    assert head == f"batch 2 ({2 * window} tokens)"
-    parts = [p.split() for p in tail.split("; ")[0].split(", ")]
-    assert [p[0] for p in parts] == ["forward", "backward", "adam"] and all(float(p[1]) > 0 and p[2] == "s" for p in parts)
-    assert tail.split("; ")[1].startswith("held-out KL pass ")
+    for targets, inputs in (("live", ["--teacher", d / "teacher.cmf"]), ("topk", ["--topk", d / "topk.0.h5"])):
+        settings = {"targets": targets, "batch": 2, "precision": "fp32"}
+        report = json.loads(run_bench("cpu_step.py", d / "student.cmf", d / "windows.h5", *inputs, "--settings",
+                                      json.dumps(settings)).strip().splitlines()[-1])
+        assert report["targets"] == targets and report["batch"] == 2 and report["tokens"] == 2 * window
+        assert report["hidden_weight"] == (0.3 if targets == "live" else None)
+        assert all(report[k] > 0 for k in ("step_s_first_round", "step_s_second_round", "heldout_kl_pass_s"))
