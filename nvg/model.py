@@ -287,22 +287,10 @@ class GroupScaled(nn.Module):
         self.code_range = code_range  # cmf.CODE_RANGE: lo, hi, spacing
         self.latent: nn.Parameter | None = None
 
-    def train_codes(self, scales: torch.Tensor, reference: torch.Tensor | None = None) -> nn.Parameter:
-        """Make the codes trainable: float32 latents [groups, group size] (12 bytes a weight with Adam's
-        moments: 0.34 GB for SmolLM2's 28.3M-entry embedding), each on its code. With `reference`, the dense
-        weight the codes encode (the teacher's), each latent starts at its code plus the reference's own
-        offset from it in code units (÷ its group's `scales`), held inside the code's rounding interval: every
-        code is the encoder's still, and those the encoder chose against the nearest rounding, or that sit
-        near a boundary, are the first to move (`train.signs.init: margin`'s idea for the signs; started on
-        their codes, the latents that crossed first were those Adam pushed most steadily, docs/quality.md)."""
-        latent = self.codes.float()
-        if reference is not None:
-            w = F.pad(reference.detach().float().to(latent.device).reshape(-1), (0, latent.numel() - reference.numel()))
-            w, s = w.reshape(latent.shape), scales.detach().float()[:, None].to(latent.device)
-            offset = torch.where(s != 0, w / torch.where(s != 0, s, 1.0), latent) - latent
-            half = self.code_range[2] / 2 * (1 - 1e-3)  # inside the interval, so that rounding keeps the code
-            latent = latent + offset.clamp(-half, half)
-        self.latent = nn.Parameter(latent)
+    def train_codes(self) -> nn.Parameter:
+        """Make the codes trainable: float32 latents [groups, group size] starting at the codes (12 bytes a
+        weight with Adam's moments: 0.34 GB for SmolLM2's 28.3M-entry embedding)."""
+        self.latent = nn.Parameter(self.codes.float())
         return self.latent
 
     def current_codes(self) -> torch.Tensor:

@@ -41,7 +41,7 @@ from nvg import distributed
 from nvg.adam import OnePassAdam
 from nvg.artifacts import check_encoded_from, encoded_from
 from nvg.atomic import atomic_path
-from nvg.cmf import CmfFile, read_verified, tensor_to_numpy
+from nvg.cmf import CmfFile, read_verified
 from nvg.distill import Distiller, Targets, lr_shape, param_groups
 from nvg.distributed import Group
 from nvg.errors import NvgError, exits_cleanly
@@ -169,13 +169,6 @@ def live_teacher(t_cmf: CmfFile, student: CmfFile, device):
     return model
 
 
-def vocab_reference(t_cmf: CmfFile, name: str) -> torch.Tensor:
-    """The teacher's dense weight behind the student's embedding or LM head `name` (a tied teacher's head is
-    its embedding)."""
-    t = t_cmf.tensors.get(name)
-    return torch.from_numpy(tensor_to_numpy(t_cmf.tensors["model.embed_tokens.weight"] if t is None else t))
-
-
 def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teacher: Path | None = None,
           grams: Path | None = None) -> Run:
     """The student on its device, its targets (the top-k files, or the live `teacher`), the optimizer,
@@ -202,14 +195,12 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     if s.embedding_lr > 0 and not model.dense_vocab():
         raise NvgError(f"config train.embedding_lr: {s.embedding_lr}, but {student}'s embedding and LM head are not dense "
                        "(quantised ones train their group scales: train.group_scale_lr)")
-    teacher_model = live_teacher(t_cmf, s_cmf, device) if live else None  # checked against the student before it is read
-    if s.group_code_lr > 0:  # each latent at its code's margin from the teacher's weight (live targets read it)
-        scales = model.group_scales()
-        for name, g in model.group_codes().items():
-            g.train_codes(scales[name], vocab_reference(t_cmf, name) if live else None)
+    if s.group_code_lr > 0:
+        for g in model.group_codes().values():
+            g.train_codes()
     d = Distiller(compile_blocks(model, "reduce-overhead" if s.cuda_graphs else None), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
-                  teacher=teacher_model, hidden_weight=s.hidden_weight if live else 0.0,
+                  teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight if live else 0.0,
                   train_group_scales=s.group_scale_lr > 0, train_dense_vocab=s.embedding_lr > 0)
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")

@@ -154,30 +154,3 @@ def test_auto_puts_each_shard_on_its_own_gpu_and_other_stages_on_the_current_one
         pick_device("cuda:3")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pick_device("auto", 1) == torch.device("cpu")
-
-
-def test_code_latents_keep_their_codes_and_start_at_the_references_offset():
-    """`GroupScaled.train_codes` with the teacher's weight: each latent is its code plus the weight's offset from it
-    in code units, held inside the code's rounding interval, so the forward is the encoded one until a latent moves;
-    a reference the codes encode exactly starts every latent on its code, as no reference does."""
-    from nvg.cmf import CODE_RANGE, Q2TP
-    from nvg.model import GroupScaled, nearest_code
-
-    g = torch.Generator().manual_seed(0)
-    groups, size, shape = 6, 32, (5, 37)  # 185 weights in 6 groups of 32: the last group padded
-    codes = (torch.randint(0, 4, (groups, size), generator=g) * 2 - 3).to(torch.int8)
-    scales = torch.rand(groups, generator=g) + 0.5
-    exact = (codes.float() * scales[:, None]).reshape(-1)[:185].reshape(shape)
-    noise = torch.randn(shape, generator=g) * 0.8
-    for reference, expect_on_codes in ((None, True), (exact, True), (exact + noise, False)):
-        m = GroupScaled(codes, shape, CODE_RANGE[Q2TP])
-        latent = m.train_codes(scales, reference).detach()
-        assert torch.equal(nearest_code(latent, m.code_range), codes.float()) and torch.equal(m.current_codes(), codes)
-        assert torch.equal(m(scales), exact)  # straight through: the rounded codes forward
-        offset = (latent - codes.float()).reshape(-1)[:185]
-        assert offset.abs().max() < 1.0  # inside q2tp's interval of half a code step (2 / 2)
-        if expect_on_codes:
-            assert offset.abs().max() < 1e-6
-        else:
-            wanted = (noise.reshape(-1) / scales.repeat_interleave(size)[:185]).clamp(-0.999, 0.999)
-            assert torch.allclose(offset, wanted, atol=1e-5) and (offset.abs() > 0.5).any()
