@@ -117,6 +117,9 @@ class Distiller:
         self.model, self.targets, self.device, self.group = model, targets, device, group
         self.batch_size, self.precision, self.tail = batch, precision, tail
         self.teacher, self.hidden_weight = teacher, hidden_weight  # a live teacher: see the module docstring
+        # the hidden-state term's share this step (train.hidden_decay sets it from the schedule); hidden_weight > 0
+        # alone decides which of the teacher's outputs are run and kept, so a factor of 0 changes no memo
+        self.hidden_factor = 1.0
         self._teacher_memo = {} if teacher is not None and self._teacher_bytes() <= teacher_memo_bytes else None
         self.params = trainable(model, train_group_scales, train_dense_vocab)
         # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
@@ -195,7 +198,7 @@ class Distiller:
                 return full_kl(hidden, self.model.head_weight, t_hidden, self.teacher.head_weight) / ids.numel()
             res = list(self.model.residuals(ids, recompute))
             kl = full_kl(self.model.model.norm(res[-1]), self.model.head_weight, t_hidden, self.teacher.head_weight)
-            return kl / ids.numel() + self.hidden_weight * hidden_mse(res, t_res)
+            return kl / ids.numel() + self.hidden_weight * self.hidden_factor * hidden_mse(res, t_res)
 
     def step(self, rows, opt, lr_factor: float, gscale: float, *, lr: float, clip: float) -> dict:
         """Forward and backward on this process's share of `rows`, gradients averaged over processes,

@@ -69,6 +69,7 @@ class TrainSettings:
     stop_after: int | None
     targets: str
     hidden_weight: float
+    hidden_decay: bool
     tail: bool
     precision: str
     seed: int
@@ -91,7 +92,7 @@ class TrainSettings:
 def state_settings(settings: TrainSettings) -> dict:
     """The settings that change the result (what names the state folder besides the inputs); hidden_weight only
     with the live teacher, the cached top-k having no hidden states."""
-    unread = ("device", "gpus", "state_root", "stop_after", "recompute_every", "cuda_graphs") + (() if settings.targets == "live" else ("hidden_weight",))
+    unread = ("device", "gpus", "state_root", "stop_after", "recompute_every", "cuda_graphs") + (() if settings.targets == "live" else ("hidden_weight", "hidden_decay"))
     return {k: v for k, v in asdict(settings).items() if k not in unread}
 
 
@@ -279,7 +280,9 @@ def _fit(run: Run, signals: list[int]) -> None:
             rows = list(range(order[pos] * s.batch, (order[pos] + 1) * s.batch))
             if pos + 1 < run.n_batches:
                 d.prefetch(range(order[pos + 1] * s.batch, (order[pos + 1] + 1) * s.batch))
-            result = d.step(rows, run.opt, lr_shape(st.done + 1, run.total), st.gscale, lr=s.lr, clip=s.clip)
+            shape = lr_shape(st.done + 1, run.total)
+            d.hidden_factor = shape if s.hidden_decay else 1.0
+            result = d.step(rows, run.opt, shape, st.gscale, lr=s.lr, clip=s.clip)
             loss, gn = result["loss"], result["grad_norm"]
             st.epoch, st.pos = epoch, pos + 1
             if result["skipped"]:
@@ -338,7 +341,7 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
             "teacher": teacher_name, "windows_hash": d.targets.windows_hash, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
             "lr": s.lr, "lr_relative": s.lr_relative, "group_scale_lr": s.group_scale_lr, "group_code_lr": s.group_code_lr, "embedding_lr": s.embedding_lr,
             **({"group_codes_changed": codes_changed(d.model)} if s.group_code_lr > 0 else {}), "targets": s.targets, "steps": st.done,
-            **({"hidden_weight": s.hidden_weight} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
+            **({"hidden_weight": s.hidden_weight, "hidden_decay": s.hidden_decay} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,
             "tail": s.tail, "precision": s.precision, "computed_in": compute_precision(d.device, s.precision), "processes": run.group.world, "evals": st.evals,
             **{mode.name: mode.provenance() for mode in d.modes},

@@ -285,6 +285,32 @@ def test_a_live_teacher_gives_full_vocabulary_and_hidden_state_targets(stage_inp
     assert losses[0] > evals[0] > 0
 
 
+def test_hidden_decay_weighs_the_hidden_term_by_the_schedule(stage_inputs, monkeypatch):
+    """train.hidden_decay: each step's hidden-state term is hidden_weight × the lr schedule's shape, so the last
+    step trains on the KL alone; the loss is linear in that factor and at 0 is the held-out measure (the KL)."""
+    from nvg.distill import Distiller, Targets
+
+    teacher, student = load_model(stage_inputs / "teacher.cmf"), load_model(stage_inputs / "student.cmf")
+    targets = Targets.from_files(stage_inputs / "windows.h5", [], student.cfg.vocab_size)
+    d = Distiller(student, targets, torch.device("cpu"), batch=2, precision="fp32", teacher=teacher, hidden_weight=0.5)
+    losses = {}
+    for factor in (0.0, 0.5, 1.0):
+        d.hidden_factor = factor
+        losses[factor] = d.loss([0, 1]).item()
+    with torch.no_grad():
+        kl = d.loss([0, 1]).item()
+    assert losses[0.0] == pytest.approx(kl, rel=1e-6) and losses[1.0] > losses[0.0]
+    assert losses[1.0] - losses[0.0] == pytest.approx(2 * (losses[0.5] - losses[0.0]), rel=1e-4)
+
+    factors = []
+    step = Distiller.step
+    monkeypatch.setattr(Distiller, "step", lambda self, *a, **k: factors.append(self.hidden_factor) or step(self, *a, **k))
+    out = train(stage_inputs, "decay", targets="live", hidden_weight=0.5, hidden_decay=True)
+    total = len(factors)
+    assert factors == pytest.approx([lr_shape(i, total) for i in range(1, total + 1)]) and factors[-1] == 0.0
+    assert out.header["provenance"]["nvg_train"]["hidden_decay"] is True
+
+
 @pytest.mark.parametrize("hidden_weight", [0.0, 0.5])
 def test_a_live_teachers_outputs_are_kept_per_window_and_read_back_exactly(stage_inputs, monkeypatch, hidden_weight):
     """The teacher runs once per window while its outputs fit in `teacher_memo_bytes`; a later batch, in any
