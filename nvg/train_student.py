@@ -5,7 +5,8 @@ embedding or LM head is group-scaled (q8_row, q4_block, q4tp, q2tp), their group
 
 setup → fit → finish. The loss and the optimizer step are `nvg/distill.py`'s: KL to the teacher's
 top-k, Adam (0.9, 0.999, 1e-8; with `lr_relative` each tensor's step is scaled by its starting RMS), linear warm-up over max(1, steps/50) then cosine to zero over the
-whole run (even when `stop_after` ends it early), global-norm clipping, bf16 autocast (fp16 mode:
+whole run (even when `stop_after` ends it early; with `hidden_decay` the live teacher's hidden-state term
+follows the same shape), global-norm clipping, bf16 autocast (fp16 mode:
 dynamic gradient scale from 4096, halved on a non-finite step); a non-finite step is skipped, counted
 and logged. Held-out KL before training, every `eval_every` steps and at the end; the best snapshot is
 restored. Training modes (`train.signs`) plug into the step and the evaluations through hooks.
@@ -90,8 +91,8 @@ class TrainSettings:
 
 
 def state_settings(settings: TrainSettings) -> dict:
-    """The settings that change the result (what names the state folder besides the inputs); hidden_weight only
-    with the live teacher, the cached top-k having no hidden states."""
+    """The settings that change the result (what names the state folder besides the inputs); hidden_weight and
+    hidden_decay only with the live teacher, the cached top-k having no hidden states."""
     unread = ("device", "gpus", "state_root", "stop_after", "recompute_every", "cuda_graphs") + (() if settings.targets == "live" else ("hidden_weight", "hidden_decay"))
     return {k: v for k, v in asdict(settings).items() if k not in unread}
 
