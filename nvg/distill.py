@@ -112,14 +112,14 @@ class Distiller:
 
     def __init__(self, model, targets: Targets, device, *, batch: int, precision: str, tail: bool = False,
                  recompute_every: int = 0, group: Group = Group(), teacher=None, hidden_weight: float = 0.0,
-                 train_group_scales: bool = True, train_dense_vocab: bool = False,
+                 hidden_decay: bool = False, train_group_scales: bool = True, train_dense_vocab: bool = False,
                  teacher_memo_bytes: int = TEACHER_MEMO_BYTES):
         self.model, self.targets, self.device, self.group = model, targets, device, group
         self.batch_size, self.precision, self.tail = batch, precision, tail
         self.teacher, self.hidden_weight = teacher, hidden_weight  # a live teacher: see the module docstring
-        # the hidden-state term's share this step (train.hidden_decay sets it from the schedule); hidden_weight > 0
-        # alone decides which of the teacher's outputs are run and kept, so a factor of 0 changes no memo
-        self.hidden_factor = 1.0
+        # with hidden_decay each step scales the hidden-state term by its lr factor (the schedule's shape); hidden_weight
+        # > 0 alone decides which of the teacher's outputs are run and kept, so a factor of 0 changes no memo
+        self.hidden_decay, self.hidden_factor = hidden_decay, 1.0
         self._teacher_memo = {} if teacher is not None and self._teacher_bytes() <= teacher_memo_bytes else None
         self.params = trainable(model, train_group_scales, train_dense_vocab)
         # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
@@ -207,6 +207,7 @@ class Distiller:
         each mode's statistics under its name."""
         for mode in self.modes:
             mode.begin_step(lr_factor, gscale)
+        self.hidden_factor = lr_factor if self.hidden_decay else 1.0
         loss = self.loss(self.group.shard(rows))
         (loss * gscale).backward()
         stats = {mode.name: mode.end_step() for mode in self.modes}

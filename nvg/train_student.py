@@ -203,6 +203,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     d = Distiller(compile_blocks(model, "reduce-overhead" if s.cuda_graphs else None), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
                   teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight if live else 0.0,
+                  hidden_decay=live and s.hidden_decay,
                   train_group_scales=s.group_scale_lr > 0, train_dense_vocab=s.embedding_lr > 0)
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
@@ -281,9 +282,7 @@ def _fit(run: Run, signals: list[int]) -> None:
             rows = list(range(order[pos] * s.batch, (order[pos] + 1) * s.batch))
             if pos + 1 < run.n_batches:
                 d.prefetch(range(order[pos + 1] * s.batch, (order[pos + 1] + 1) * s.batch))
-            shape = lr_shape(st.done + 1, run.total)
-            d.hidden_factor = shape if s.hidden_decay else 1.0
-            result = d.step(rows, run.opt, shape, st.gscale, lr=s.lr, clip=s.clip)
+            result = d.step(rows, run.opt, lr_shape(st.done + 1, run.total), st.gscale, lr=s.lr, clip=s.clip)
             loss, gn = result["loss"], result["grad_norm"]
             st.epoch, st.pos = epoch, pos + 1
             if result["skipped"]:

@@ -304,7 +304,7 @@ def test_hidden_decay_weighs_the_hidden_term_by_the_schedule(stage_inputs, monke
 
     factors = []
     step = Distiller.step
-    monkeypatch.setattr(Distiller, "step", lambda self, *a, **k: factors.append(self.hidden_factor) or step(self, *a, **k))
+    monkeypatch.setattr(Distiller, "step", lambda self, *a, **k: (step(self, *a, **k), factors.append(self.hidden_factor))[0])
     out = train(stage_inputs, "decay", targets="live", hidden_weight=0.5, hidden_decay=True)
     total = len(factors)
     assert factors == pytest.approx([lr_shape(i, total) for i in range(1, total + 1)]) and factors[-1] == 0.0
