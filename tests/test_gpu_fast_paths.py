@@ -247,10 +247,13 @@ def test_the_fused_sign_step_on_cuda_equals_the_tensor_ops():
         assert worst["m"] <= 2**-7 and worst["z"] < 5e-3 and worst["v"] < 1e-4 and worst["rms"] < 1e-4, worst
 
 
-def test_live_teacher_training_on_cuda_matches_the_cpu(stage_inputs):
-    """The live-teacher loss (compiled full-vocabulary KL blocks under checkpointing, hidden-state term)
-    and its steps on CUDA against the CPU, float32."""
-    _six_steps_on_both_devices_agree(stage_inputs, "live-", targets="live", hidden_weight=0.5)
+@pytest.mark.parametrize("hidden_decay", [False, True])
+def test_live_teacher_training_on_cuda_matches_the_cpu(stage_inputs, hidden_decay):
+    """The live-teacher loss (compiled full-vocabulary KL blocks under checkpointing, hidden-state term, its
+    weight constant or following the schedule: `train.hidden_decay`) and its steps on CUDA against the CPU,
+    float32."""
+    _six_steps_on_both_devices_agree(stage_inputs, f"live-{hidden_decay}-", targets="live", hidden_weight=0.5,
+                                     hidden_decay=hidden_decay)
 
 
 def test_embedding_training_on_cuda_matches_the_cpu(stage_inputs):
