@@ -71,6 +71,26 @@ def test_ood_sample_and_score_students_give_the_teacher_ratio_one(stage_inputs, 
     assert scores["student"]["ppl_ratio"] != pytest.approx(1.0, abs=1e-4)
 
 
+def test_layer_swap_gives_the_teacher_back_with_every_block_swapped(stage_inputs, tiny_corpus, tmp_path):
+    """The encoded student (its f16 embedding, head and norms the teacher's) is the teacher again with every block
+    swapped, at KL 0 on every text; each single swap moves its KL, and none of them to 0."""
+    d, essay = stage_inputs, str(tiny_corpus / "essay.txt")
+    out = tmp_path / "swap.json"
+    run_bench("layer_swap.py", "--teacher", d / "teacher.cmf", "--student", d / "student.cmf", "--windows",
+              d / "windows.h5", "--ood", essay, "--ood-tokens", 512, "--device", "cpu", "--precision", "fp32",
+              "--out", out)
+    report = json.loads(out.read_text())
+    from nvg.cmf import read_cmf
+
+    blocks = [str(i) for i in range(read_cmf(d / "teacher.cmf").arch["num_layers"])]
+    assert list(report) == ["none", *blocks, "all"] and len(blocks) >= 2
+    for label, kl in report["none"].items():
+        assert kl > 1e-4
+        assert report["all"][label] == pytest.approx(0.0, abs=1e-5)
+        for b in blocks:
+            assert report[b][label] != pytest.approx(kl, rel=1e-6) and report[b][label] > 1e-5
+
+
 def test_topk_mass_outside_the_top_k_shrinks_as_k_grows(tiny_cmf, tiny_corpus):
     essay = str(tiny_corpus / "essay.txt")
     report = json.loads(run_bench("topk_mass.py", "--teacher", tiny_cmf, "--source", essay, "--k", 2, "--k", 8,

@@ -1,0 +1,90 @@
+"""How much of a student's distance to its teacher one block holds: the full-vocabulary KL(teacher ‖ student) per
+token with block L replaced by the teacher's own (dense) block, for every L, on the held-out windows and on each
+out-of-domain text; also with every block replaced ("all": the student's embedding, head and final norm alone).
+A block made exact is the most that more bits in it could buy, if the other blocks stayed as they are; a trained
+student's blocks have adapted to each other's errors, so a swap can also cost. Before training (the encoded or
+reconstructed student) the gains say where the encoder's error sits.
+    python bench/layer_swap.py --teacher results/teacher.cmf --student results/model.cmf \\
+        --windows results/data/windows.h5 --ood python-docs --ood-tokens 4096 --out swap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from nvg.artifacts import check_encoded_from, read_windows
+from nvg.cmf import read_verified
+from nvg.losses import student_scores
+from nvg.model import autocast, load_model, pick_device
+from nvg.sources import ChatRenderer, source_tokens
+from nvg.tokenizer import cmf_tokenizer
+
+
+@torch.no_grad()
+def kl_per_token(teacher, student, sets: dict, t_hidden: dict, device, precision: str, batch: int) -> dict:
+    """Mean full KL(teacher ‖ student) per token of each set, against the teacher's cached hidden states."""
+    out = {}
+    for label, windows in sets.items():
+        total = 0.0
+        for j, s in enumerate(range(0, len(windows), batch)):
+            ids = torch.from_numpy(windows[s : s + batch]).to(device)
+            with autocast(device, precision):
+                h = student.hidden(ids)
+                total += float(student_scores(t_hidden[label][j], h, teacher.head_weight, student.head_weight, ids)[1])
+        out[label] = total / windows.size
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--teacher", required=True)
+    ap.add_argument("--student", required=True)
+    ap.add_argument("--windows", required=True, help="windows.h5: its held-out rows are scored")
+    ap.add_argument("--ood", nargs="*", default=["python-docs"])
+    ap.add_argument("--ood-tokens", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    t_cmf, s_cmf = read_verified(a.teacher), read_verified(a.student)
+    check_encoded_from(s_cmf, t_cmf)  # another teacher's blocks would not fit this student's
+    tokens, attrs = read_windows(a.windows, t_cmf.arch["vocab_size"])
+    sets = {"held-out": tokens[int(attrs["n_train"]):]}
+    tok = cmf_tokenizer(t_cmf, a.teacher, "tokenize --ood with")
+    window = tokens.shape[1]
+    for source in a.ood:
+        ids = source_tokens(source, a.ood_tokens, tok, ChatRenderer(t_cmf, source))
+        sets[source] = ids[: len(ids) // window * window].reshape(-1, window)
+    device = pick_device(a.device)
+    teacher, student = load_model(t_cmf, device), load_model(s_cmf, device)
+    t_hidden = {}
+    with torch.no_grad(), autocast(device, a.precision):
+        for label, windows in sets.items():
+            t_hidden[label] = [teacher.hidden(torch.from_numpy(windows[s : s + a.batch]).to(device))
+                               for s in range(0, len(windows), a.batch)]
+    score = lambda: kl_per_token(teacher, student, sets, t_hidden, device, a.precision, a.batch)  # noqa: E731
+    blocks = student.model.layers
+    report = {"none": score()}
+    print("none:", report["none"], flush=True)
+    for i in range(len(blocks)):
+        own, blocks[i] = blocks[i], teacher.model.layers[i]
+        report[str(i)] = score()
+        blocks[i] = own
+        print(f"block {i}:", {k: f"{v / report['none'][k] - 1:+.2%}" for k, v in report[str(i)].items()}, flush=True)
+    own_blocks = list(blocks)
+    for i in range(len(blocks)):
+        blocks[i] = teacher.model.layers[i]
+    report["all"] = score()
+    for i, own in enumerate(own_blocks):
+        blocks[i] = own
+    print("all:", report["all"])
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
