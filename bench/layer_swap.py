@@ -15,12 +15,9 @@ import json
 
 import torch
 
-from nvg.artifacts import check_encoded_from, read_windows
-from nvg.cmf import read_verified
 from nvg.losses import student_scores
-from nvg.model import autocast, load_model, pick_device
-from nvg.sources import ChatRenderer, source_tokens
-from nvg.tokenizer import cmf_tokenizer
+from nvg.model import autocast
+from scored_texts import teacher_student_and_texts
 
 
 @torch.no_grad()
@@ -50,17 +47,8 @@ def main():
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    t_cmf, s_cmf = read_verified(a.teacher), read_verified(a.student)
-    check_encoded_from(s_cmf, t_cmf)  # another teacher's blocks would not fit this student's
-    tokens, attrs = read_windows(a.windows, t_cmf.arch["vocab_size"])
-    sets = {"held-out": tokens[int(attrs["n_train"]):]}
-    tok = cmf_tokenizer(t_cmf, a.teacher, "tokenize --ood with")
-    window = tokens.shape[1]
-    for source in a.ood:
-        ids = source_tokens(source, a.ood_tokens, tok, ChatRenderer(t_cmf, source))
-        sets[source] = ids[: len(ids) // window * window].reshape(-1, window)
-    device = pick_device(a.device)
-    teacher, student = load_model(t_cmf, device), load_model(s_cmf, device)
+    teacher, student, sets, device = teacher_student_and_texts(a.teacher, a.student, a.windows, a.ood, a.ood_tokens,
+                                                                a.device)
     t_hidden = {}
     with torch.no_grad(), autocast(device, a.precision):
         for label, windows in sets.items():
