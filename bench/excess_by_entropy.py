@@ -20,7 +20,6 @@ copies, the teacher's samples exercise copying too little, and text with more re
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from nvg.model import autocast
-from scored_texts import teacher_student_and_texts
+from scored_texts import parsed_arguments, teacher_student_and_texts
 
 EDGES = [0.0, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, float("inf")]  # teacher entropy, nats
 
@@ -79,19 +78,8 @@ def by_bin(p: dict) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--teacher", required=True)
-    ap.add_argument("--student", required=True)
-    ap.add_argument("--windows", required=True, help="windows.h5: its held-out rows are scored")
-    ap.add_argument("--ood", nargs="*", default=["python-docs", "pkg:shksprdata/ancillary/britannica-11th.txt"])
-    ap.add_argument("--ood-tokens", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    teacher, student, sets, device = teacher_student_and_texts(a.teacher, a.student, a.windows, a.ood, a.ood_tokens,
-                                                                a.device)
+    a = parsed_arguments(__doc__.splitlines()[0], ood=["python-docs", "pkg:shksprdata/ancillary/britannica-11th.txt"], ood_tokens=2048, batch=4)
+    teacher, student, sets, device = teacher_student_and_texts(a)
     report = {}
     reference = None
     for label, w in sets.items():

@@ -10,14 +10,13 @@ reconstructed student) the gains say where the encoder's error sits.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
 from nvg.losses import student_scores
 from nvg.model import autocast
-from scored_texts import teacher_student_and_texts
+from scored_texts import parsed_arguments, teacher_student_and_texts
 
 
 @torch.no_grad()
@@ -36,19 +35,8 @@ def kl_per_token(teacher, student, sets: dict, t_hidden: dict, device, precision
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--teacher", required=True)
-    ap.add_argument("--student", required=True)
-    ap.add_argument("--windows", required=True, help="windows.h5: its held-out rows are scored")
-    ap.add_argument("--ood", nargs="*", default=["python-docs"])
-    ap.add_argument("--ood-tokens", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    teacher, student, sets, device = teacher_student_and_texts(a.teacher, a.student, a.windows, a.ood, a.ood_tokens,
-                                                                a.device)
+    a = parsed_arguments(__doc__.splitlines()[0], ood=["python-docs"], ood_tokens=4096, batch=8)
+    teacher, student, sets, device = teacher_student_and_texts(a)
     t_hidden = {}
     with torch.no_grad(), autocast(device, a.precision):
         for label, windows in sets.items():

@@ -4,6 +4,8 @@ and each out-of-domain source cut into windows of the same length."""
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 from nvg.artifacts import check_encoded_from, read_windows
@@ -13,9 +15,24 @@ from nvg.sources import ChatRenderer, source_tokens
 from nvg.tokenizer import cmf_tokenizer
 
 
-def teacher_student_and_texts(teacher: str, student: str, windows: str, ood: list[str], ood_tokens: int,
-                              device: str) -> tuple[Llama, Llama, dict[str, np.ndarray], object]:
-    """(teacher, student, {"held-out": windows, source: windows, ...}, device)."""
+def parsed_arguments(description: str, ood: list[str], ood_tokens: int, batch: int) -> argparse.Namespace:
+    """The command line both scripts take: teacher, student, windows, the unseen texts, batch, device, precision, out."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--teacher", required=True)
+    ap.add_argument("--student", required=True)
+    ap.add_argument("--windows", required=True, help="windows.h5: its held-out rows are scored")
+    ap.add_argument("--ood", nargs="*", default=ood)
+    ap.add_argument("--ood-tokens", type=int, default=ood_tokens)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--out", required=True)
+    return ap.parse_args()
+
+
+def teacher_student_and_texts(a: argparse.Namespace) -> tuple[Llama, Llama, dict[str, np.ndarray], object]:
+    """(teacher, student, {"held-out": windows, source: windows, ...}, device) for `parsed_arguments`' `a`."""
+    teacher, student, windows, ood, ood_tokens, device = a.teacher, a.student, a.windows, a.ood, a.ood_tokens, a.device
     t_cmf, s_cmf = read_verified(teacher), read_verified(student)
     check_encoded_from(s_cmf, t_cmf)  # as evaluate does: a student of another teacher would be scored as nonsense
     tokens, attrs = read_windows(windows, t_cmf.arch["vocab_size"])
