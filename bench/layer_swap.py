@@ -51,12 +51,9 @@ def main():
         report[str(i)] = score()
         blocks[i] = own
         print(f"block {i}:", {k: f"{v / report['none'][k] - 1:+.2%}" for k, v in report[str(i)].items()}, flush=True)
-    own_blocks = list(blocks)
-    for i in range(len(blocks)):
+    for i in range(len(blocks)):  # last: the student is not used after this
         blocks[i] = teacher.model.layers[i]
     report["all"] = score()
-    for i, own in enumerate(own_blocks):
-        blocks[i] = own
     print("all:", report["all"])
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
