@@ -28,7 +28,7 @@ from nvg.gptq import descended_codes, gptq_codes, least_squares_scales
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import ROLE_INPUT, bits_summary, parse_body_linear
 from nvg.model import nearest_code, pick_device
-from nvg.plan import VOCAB_LINES, filled_budgets, read_plan
+from nvg.plan import VOCAB_LINES, ends_raised, filled_budgets, read_plan
 from nvg.progress import bar
 from nvg.settings import SETTINGS_HELP, load
 
@@ -154,16 +154,21 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     arch = t_cmf.arch
     body = [n for n in t_cmf.tensors if parse_body_linear(n)]
     plan.check_against(arch["num_layers"], body, t_cmf.tensors)
+    shapes = {n: t_cmf.tensors[n].shape for n in body}
+    planned, ends_line = ends_raised({n: plan.rule_for(n, parse_body_linear(n)[0], settings.bpw) for n in body}, shapes,
+                                     {n: parse_body_linear(n)[0] for n in body}, arch["num_layers"], settings.ends_factor,
+                                     plan.default_origin)
+    print(f"budget_reencode: {ends_line}", file=sys.stderr)
     budgets = {}  # every budget settled and checked before any encoding, naming the plan line that set it
     for name in body:
-        layer, role = parse_body_linear(name)
-        bpw, origin = plan.rule_for(name, layer, settings.bpw)
+        role = parse_body_linear(name)[1]
+        bpw, origin = planned[name]
         if role in ("k", "v") and settings.kv_factor != 1.0:
             bpw, origin = bpw * settings.kv_factor, f"{origin} × config encode.kv_factor {settings.kv_factor}"
         check_room(name, t_cmf.tensors[name].shape, bpw, origin)
         budgets[name] = bpw
     if settings.fill:
-        budgets = filled_budgets(budgets, {n: t_cmf.tensors[n].shape for n in body}, settings.paths)
+        budgets = filled_budgets(budgets, shapes, settings.paths)
     vocab = {}  # the embedding's and LM head's (format, bpw if blr), settled and checked as the budgets are
     for name in (n for n in VOCAB_MATRICES if n in t_cmf.tensors):
         fmt, bpw, origin = plan.vocab_rule(name, settings.embedding, settings.embedding_bpw)
@@ -215,7 +220,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     header = dict(base.header)
     prov = dict(header.get("provenance", {}))
     blr_bpw = {name: bpw for name, (fmt, bpw) in vocab.items() if fmt == "blr"}
-    prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw, "fill": settings.fill,
+    prov["nvg_encode"] = {"teacher_hash": model_hash(t_cmf), "method": settings.method, "bpw": settings.bpw, "ends_factor": settings.ends_factor, "fill": settings.fill,
                           "paths": settings.paths, "iters": settings.iters, "signs": settings.signs, "v_groups": settings.v_groups, "embedding": vocab["model.embed_tokens.weight"][0], "embedding_bpw": blr_bpw.get("model.embed_tokens.weight"), "lm_head": vocab.get("lm_head.weight", (None,))[0], "lm_head_bpw": blr_bpw.get("lm_head.weight"), "embedding_damp": settings.embedding_damp, "kv_factor": settings.kv_factor, "plan": str(plan_path) if plan_path else None,
                           "reencoded": sum(r["method"] != "kept" for r in rows.values())}
     header["provenance"] = prov
@@ -224,7 +229,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     totals = bits_summary(read_cmf(out))
     errs = [r["rel_sel_error"] for r in rows.values() if "rel_sel_error" in r]
     write_json(report, {
-        "settings": vars(settings), "plan": str(plan_path) if plan_path else None,
+        "settings": vars(settings), "plan": str(plan_path) if plan_path else None, "ends": ends_line,
         "seconds": time.perf_counter() - t0, "device": str(device),
         "mean_rel_sel_error": float(np.mean(errs)) if errs else None,
         "body_bpw": totals["body_bpw"], "tensors_bpw": totals["tensors_bpw"], "file_bpw": totals["file_bpw"], "tensors": rows,

@@ -33,6 +33,7 @@ class EncodeSettings:
 
     SECTION: ClassVar[str] = "encode"
     bpw: float
+    ends_factor: float
     fill: bool
     method: str
     paths: str

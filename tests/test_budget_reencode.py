@@ -13,7 +13,7 @@ from nvg.budget_reencode import main
 from nvg.encoder import EncodeSettings, encode_tensor
 from nvg.cmf import BLR, read_cmf
 from nvg.errors import NvgError
-from nvg.plan import filled_budgets, parse_plan, read_plan
+from nvg.plan import ends_raised, filled_budgets, parse_plan, read_plan
 from nvg.settings import load
 from tests.conftest import REPO
 
@@ -235,6 +235,66 @@ def test_filling_spends_the_bodys_bits_as_a_whole_and_never_more(paths, plan):
         weights = sum(o * i for o, i in shapes.values())
         assert before / weights == pytest.approx(0.9571, abs=1e-4) and after / weights > 0.999
         assert {codec.max_rank(filled[n], 2, *shapes[n]) for n in shapes if ".mlp." in n} == {192}
+
+
+def smollm2_ends(plan_text: str, factor: float) -> tuple[dict, str]:
+    plan = parse_plan(plan_text, "plan.txt")
+    plan.default = plan.default or 1.0
+    layers = {n: int(n.split(".")[2]) for n in SMOLLM2_BODY}
+    return ends_raised({n: plan.rule_for(n, layers[n], 1.0) for n in SMOLLM2_BODY}, SMOLLM2_BODY, layers, 30, factor,
+                       plan.default_origin)
+
+
+def test_the_ends_take_their_bits_from_the_blocks_between_and_the_body_keeps_its_total():
+    """encode.ends_factor 2 on SmolLM2-135M at 1.0 bpw: blocks 0 and 29 at 2.0, the 28 between at 0.9286
+    (bench/layer_swap.py found those two blocks holding the most of the distance before training)."""
+    moved, line = smollm2_ends("", 2.0)
+    size = {n: o * i for n, (o, i) in SMOLLM2_BODY.items()}
+    assert sum(moved[n][0] * size[n] for n in moved) == pytest.approx(sum(size.values()))
+    assert {moved[n][0] for n in moved if n.startswith(("model.layers.0.", "model.layers.29."))} == {2.0}
+    between = {round(moved[n][0], 4) for n in moved if not n.startswith(("model.layers.0.", "model.layers.29."))}
+    assert between == {0.9286}
+    assert moved["model.layers.0.mlp.down_proj.weight"][1] == "config encode.bpw × config encode.ends_factor 2"
+    assert "blocks 0 and 29 at 2.0000 bpw" in line and "0.9286" in line
+
+
+def test_a_plans_lines_beat_the_ends_and_only_default_budgets_pay_for_them():
+    moved, _ = smollm2_ends("default 1.0\nlayer 29 1.5\nlayer 10-19 0.8\n", 2.0)
+    size = {n: o * i for n, (o, i) in SMOLLM2_BODY.items()}
+    assert {moved[n] for n in moved if n.startswith("model.layers.29.")} == {(1.5, "plan.txt: line 2")}
+    assert {moved[n][1] for n in moved if n.startswith("model.layers.15.")} == {"plan.txt: line 3"}
+    assert {moved[n][0] for n in moved if n.startswith("model.layers.0.")} == {2.0}
+    defaults = [n for n in moved if int(n.split(".")[2]) not in (0, 29) and not 10 <= int(n.split(".")[2]) <= 19]
+    # block 0's extra bits come out of the 18 other blocks at the plan's default, and the body keeps its total
+    assert sum(moved[n][0] * size[n] for n in defaults + [n for n in moved if n.startswith("model.layers.0.")]) == \
+        pytest.approx(sum(size[n] for n in defaults) + sum(size[n] for n in moved if n.startswith("model.layers.0.")))
+
+
+def test_ends_factor_one_or_too_few_blocks_moves_nothing():
+    budgets = {n: (1.0, "config encode.bpw") for n in SMOLLM2_BODY}
+    assert smollm2_ends("", 1.0)[0] == budgets
+    three = {n: s for n, s in SMOLLM2_BODY.items() if int(n.split(".")[2]) < 3}
+    layers = {n: int(n.split(".")[2]) for n in three}
+    budgets3 = {n: (1.0, "config encode.bpw") for n in three}
+    moved, line = ends_raised(budgets3, three, layers, 3, 2.0, "config encode.bpw")
+    assert moved == budgets3 and "nothing moved" in line and "below half" in line
+
+
+def test_an_encoding_gives_the_first_and_last_blocks_more_rank_and_records_it(tiny_corpus, tmp_path):
+    """A 4-block tiny Llama at 2.0 bpw, encode.ends_factor 1.5: blocks 0 and 3 at 3.0 bpw, blocks 1 and 2 at 1.0."""
+    from nvg.import_teacher import main as import_teacher
+    from tests.conftest import make_stages, make_tiny_llama
+
+    import_teacher(str(make_tiny_llama(tmp_path / "hf", num_hidden_layers=4)), tmp_path / "t.cmf", "f16")
+    d = make_stages(tmp_path / "t.cmf", tiny_corpus / "story.txt", tmp_path, ends_factor=1.5, fill=False)
+    report = json.loads((d / "student.json").read_text())
+    rank = {n: row["rank"] * row["paths"] for n, row in report["tensors"].items()}
+    for role in ("self_attn.q_proj", "mlp.down_proj"):
+        ends = [rank[f"model.layers.{b}.{role}.weight"] for b in (0, 3)]
+        between = [rank[f"model.layers.{b}.{role}.weight"] for b in (1, 2)]
+        assert min(ends) > max(between)
+    assert report["body_bpw"] <= 2.0 and "blocks 0 and 3 at 3.0000 bpw" in report["ends"]
+    assert read_cmf(d / "student.cmf").header["provenance"]["nvg_encode"]["ends_factor"] == 1.5
 
 
 def test_filling_stops_at_full_rank():
