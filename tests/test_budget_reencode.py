@@ -281,19 +281,19 @@ def test_ends_factor_one_or_too_few_blocks_moves_nothing():
 
 
 def test_an_encoding_gives_the_first_and_last_blocks_more_rank_and_records_it(tiny_corpus, tmp_path):
-    """A 4-block tiny Llama at 2.0 bpw, encode.ends_factor 1.5: blocks 0 and 3 at 3.0 bpw, blocks 1 and 2 at 1.0."""
+    """A 4-block tiny Llama at 3.0 bpw, encode.ends_factor 1.5: blocks 0 and 3 at 4.5 bpw, blocks 1 and 2 at 1.5."""
     from nvg.import_teacher import main as import_teacher
     from tests.conftest import make_stages, make_tiny_llama
 
     import_teacher(str(make_tiny_llama(tmp_path / "hf", num_hidden_layers=4)), tmp_path / "t.cmf", "f16")
-    d = make_stages(tmp_path / "t.cmf", tiny_corpus / "story.txt", tmp_path, ends_factor=1.5, fill=False)
+    d = make_stages(tmp_path / "t.cmf", tiny_corpus / "story.txt", tmp_path, bpw=3.0, ends_factor=1.5, fill=False)
     report = json.loads((d / "student.json").read_text())
     rank = {n: row["rank"] * row["paths"] for n, row in report["tensors"].items()}
     for role in ("self_attn.q_proj", "mlp.down_proj"):
         ends = [rank[f"model.layers.{b}.{role}.weight"] for b in (0, 3)]
         between = [rank[f"model.layers.{b}.{role}.weight"] for b in (1, 2)]
         assert min(ends) > max(between)
-    assert report["body_bpw"] <= 2.0 and "blocks 0 and 3 at 3.0000 bpw" in report["ends"]
+    assert report["body_bpw"] <= 3.0 and "blocks 0 and 3 at 4.5000 bpw" in report["ends"]
     assert read_cmf(d / "student.cmf").header["provenance"]["nvg_encode"]["ends_factor"] == 1.5
 
 
