@@ -155,9 +155,9 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     body = [n for n in t_cmf.tensors if parse_body_linear(n)]
     plan.check_against(arch["num_layers"], body, t_cmf.tensors)
     shapes = {n: t_cmf.tensors[n].shape for n in body}
-    planned, ends_line = ends_raised({n: plan.rule_for(n, parse_body_linear(n)[0], settings.bpw) for n in body}, shapes,
-                                     {n: parse_body_linear(n)[0] for n in body}, arch["num_layers"], settings.ends_factor,
-                                     plan.default_origin)
+    layers = {n: parse_body_linear(n)[0] for n in body}
+    planned, ends_line = ends_raised({n: plan.rule_for(n, layers[n], settings.bpw) for n in body}, shapes, layers,
+                                     arch["num_layers"], settings.ends_factor, plan.default_origin)
     print(f"budget_reencode: {ends_line}", file=sys.stderr)
     budgets = {}  # every budget settled and checked before any encoding, naming the plan line that set it
     for name in body:
