@@ -90,7 +90,9 @@ def ends_raised(budgets: dict[str, tuple[float, str]], shapes: dict[str, tuple[i
     end_names = [n for n in moving if layers[n] in ends]
     rest_names = [n for n in moving if layers[n] not in ends]
     size = {n: shapes[n][0] * shapes[n][1] for n in moving}
-    if not end_names or not rest_names:
+    if not end_names:
+        return budgets, f"encode.ends_factor {factor:g}: nothing moved (the plan's lines set the first and the last block)"
+    if not rest_names:
         return budgets, f"encode.ends_factor {factor:g}: nothing moved (no block between the first and the last at the default budget)"
     default = moving[end_names[0]]
     raised = min(factor * default, _BPW["maximum"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,6 +269,16 @@ def test_a_plans_lines_beat_the_ends_and_only_default_budgets_pay_for_them():
     # block 0's extra bits come out of the 18 other blocks at the plan's default, and the body keeps its total
     assert sum(moved[n][0] * size[n] for n in defaults + [n for n in moved if n.startswith("model.layers.0.")]) == \
         pytest.approx(sum(size[n] for n in defaults) + sum(size[n] for n in moved if n.startswith("model.layers.0.")))
+
+
+def test_a_plan_that_sets_both_ends_leaves_the_factor_nothing_to_move():
+    """bench/plans/ends_first2_last3.txt: its layer lines for blocks 0 and 29 win, and its default is not lowered."""
+    text = Path(__file__).parents[1].joinpath("bench/plans/ends_first2_last3.txt").read_text()
+    moved, line = smollm2_ends(text, 2.0)
+    assert {moved[n][0] for n in moved if n.startswith("model.layers.29.")} == {3.0}
+    assert {moved[n][0] for n in moved if n.startswith("model.layers.0.")} == {2.0}
+    assert {moved[n][0] for n in moved if n.startswith("model.layers.15.")} == {0.892857}
+    assert "nothing moved" in line and "the plan's lines set the first and the last block" in line
 
 
 def test_ends_factor_one_or_too_few_blocks_moves_nothing():
