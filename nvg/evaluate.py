@@ -10,7 +10,7 @@ with the teacher; bits per weight of the body linears and of the whole file coun
 wall time per stage from the rules' benchmark files.
 
     python -m nvg.evaluate --teacher T.cmf --encoded E.cmf [--reconstructed R.cmf] --final M.cmf --windows W.h5 \
-        --k 64 --out eval.json --settings JSON [--benchmarks benchmarks/*.tsv]
+        --k 64 --out eval.json --settings JSON [--benchmarks benchmarks/STAGE.tsv ...]
 """
 
 from __future__ import annotations
@@ -126,11 +126,12 @@ def pooled(label: str, parts: list[ScoredSet]) -> ScoredSet:
 
 
 def stage_seconds(paths: list[Path]) -> dict:
-    """Wall time of each stage from Snakemake's benchmark TSVs (`s` column), evaluate's own left out: its
-    file, when there is one, is an earlier run's (Snakemake writes this run's after it ends)."""
+    """Wall time of each stage from Snakemake's benchmark TSVs (`s` column): the workflow names the files of the
+    stages that made this model (common.smk `chain_benchmarks`); one that does not exist (the stage's outputs came
+    from elsewhere) is left out."""
     out = {}
     for p in paths:
-        if p.stem == "evaluate":
+        if not p.is_file():
             continue
         with open(p) as f:
             rows = list(csv.DictReader(f, delimiter="\t"))

@@ -88,11 +88,12 @@ def test_a_mix_of_sources_is_scored_held_out_whole_and_per_source(tiny_stages, t
     assert "heldout_by_source" not in json.loads((tmp_path / "one.json").read_text())
 
 
-def test_stage_seconds_leave_out_an_earlier_evaluate(tmp_path):
-    """A rerun finds the last run's benchmarks/evaluate.tsv (a sibling's, in a copied folder): not this run's time."""
-    for stage, seconds in (("train_student", 12.5), ("evaluate", 99.0)):
-        (tmp_path / f"{stage}.tsv").write_text(f"s\th:m:s\n{seconds}\t0:00:{int(seconds)}\n")
-    assert evaluate.stage_seconds(sorted(tmp_path.glob("*.tsv"))) == {"train_student": 12.5}
+def test_stage_seconds_read_the_last_row_and_leave_out_a_missing_file(tmp_path):
+    """A stage run twice has two rows (the last is the run that made its outputs); a named file that does not exist
+    (the stage's outputs came from elsewhere) gives no time."""
+    (tmp_path / "train_student.tsv").write_text("s\th:m:s\n99.0\t0:01:39\n12.5\t0:00:12\n")
+    assert evaluate.stage_seconds([tmp_path / "train_student.tsv", tmp_path / "reconstruct_blocks.tsv"]) == \
+        {"train_student": 12.5}
 
 
 def test_heldout_perplexity_is_the_teachers_own_next_token_loss(evaluated, tiny_stages, tiny_cmf):

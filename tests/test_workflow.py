@@ -61,6 +61,23 @@ def test_whole_dag_produces_a_verified_model(finished_run):
         assert re.search(line, (workdir / f"logs/{log}.log").read_text()), log
 
 
+def test_the_report_times_only_the_stages_that_made_the_model(finished_run):
+    """eval.json's stage times come from the files of this config's chain (common.smk `chain_benchmarks`), not
+    every file under benchmarks/: a setting that drops a stage leaves that stage's old file out."""
+    workdir, config = finished_run
+    report = json.loads((workdir / "results/eval.json").read_text())
+    assert set(report["stage_seconds"]) == {
+        "import_teacher", "generate_corpus.0", "generate_corpus.1", "tokenize_windows", "gram_capture.teacher",
+        "budget_reencode", "teacher_topk.0", "teacher_topk.1", "dtgma_cut", "reconstruct_blocks", "train_student"}
+    changed = copy.deepcopy(config)
+    changed["train"]["targets"], changed["dtgma"]["keep"], changed["reconstruct"]["steps"] = "live", None, 0
+    dry = snakemake(workdir, changed, "-n", "-p", "results/eval.json")
+    command = re.search(r"python -m nvg\.evaluate .*", dry.stdout + dry.stderr).group(0)
+    assert "benchmarks/train_student.tsv" in command and "benchmarks/budget_reencode.tsv" in command
+    assert (workdir / "benchmarks/reconstruct_blocks.tsv").exists()  # the earlier run's, still there
+    assert not re.search(r"teacher_topk|reconstruct_blocks|dtgma_cut", command.split("--benchmarks")[1])
+
+
 def test_a_run_against_the_live_teacher_plans_no_top_k(tiny_hf, tiny_corpus, tmp_path):
     """Only training on cached targets (and the DTG-MA cut) reads the top-k: evaluate takes its own."""
     config = tiny_config(tiny_hf, tiny_corpus)

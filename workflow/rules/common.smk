@@ -191,6 +191,19 @@ def student_for_training():
     return reconstructed_student().get("reconstructed", encoded_student())
 
 
+def chain_benchmarks():
+    """The benchmark files of the stages that make this config's model, for evaluate's stage times: a stage
+    this config skips (reconstruct_blocks at steps 0, teacher_topk under a live teacher, dtgma_cut unset) may
+    still have an earlier run's file under benchmarks/."""
+    stages = ["import_teacher", *(f"generate_corpus.{s}" for s in range(len(generated_corpus()))), "tokenize_windows",
+              f"gram_capture.{'student' if config['student'] else 'teacher'}", "budget_reencode"]
+    cut = config["dtgma"]["keep"] is not None
+    stages += [f"teacher_topk.{s}" for s in range(len(topk_shards()))] if cut or "topk" in training_targets() else []
+    stages += ["dtgma_cut"] if cut else []
+    stages += ["reconstruct_blocks"] if reconstructed_student() else []
+    return [f"benchmarks/{stage}.tsv" for stage in stages + ["train_student"]]
+
+
 def gram_model(wildcards):
     if wildcards.model == "teacher":
         return "results/teacher.cmf"

@@ -19,6 +19,7 @@ rule evaluate:
         settings=settings("evaluate"),
         k=config["teacher_topk"]["k"],
         reconstructed=reconstructed_args,
+        benchmarks=chain_benchmarks(),
     threads: TORCH_THREADS
     resources:
         gpu=1,
@@ -27,4 +28,4 @@ rule evaluate:
     shell:
         "python -m nvg.evaluate --teacher {input.teacher} --encoded {input.encoded}{params.reconstructed} --final {input.final} "
         "--windows {input.windows} --k {params.k:q} --out {output.report} --settings {params.settings:q} "
-        "--benchmarks $(ls benchmarks/*.tsv 2>/dev/null) > {log} 2>&1"
+        "--benchmarks {params.benchmarks:q} > {log} 2>&1"
