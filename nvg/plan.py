@@ -10,7 +10,9 @@
 
 A tensor rule beats a layer rule beats the default; among rules of one kind a later line beats an
 earlier one. Without an embedding / lm_head line both follow config encode.embedding. Every error carries
-its line number and is raised before any model is loaded.
+its line number and is raised before any model is loaded. The first and the last block's linears at the
+default then get config encode.ends_factor × its bits, paid for by the other linears at the default
+(`ends_raised`); `filled_budgets` spends what rank rounding leaves (config encode.fill).
 """
 
 from __future__ import annotations
