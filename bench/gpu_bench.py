@@ -317,7 +317,8 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     cached top-64 (`targets: topk`), the live teacher (`targets: live`, full-vocabulary KL), the live teacher
     with sign training (`signs.enabled`), that with the per-layer hidden-state loss (`hidden_weight` 0.3: the
     README's GPU recipe's step from session 36), that with the f16 embedding and head trained too (`embedding_lr`:
-    the README's GPU recipe's step since session 48) and with a q2tp embedding and head. `only`: those modes alone (the
+    the README's GPU recipe's step since session 48; and that with `train.fp8`) and with a q2tp embedding and head; the
+    cached top-64's step with `train.fp8` too. `only`: those modes alone (the
     dense step always). MFU: model FLOPs (forward ×3) per second over the bf16 matmul rate measured in the same run.
     `plan`: the student's paths and ranks from a pipeline's log (`read_plan`) instead of 1 bpw, P = 2. `compile_mode`:
     torch.compile's mode for the student's blocks (e.g. reduce-overhead: CUDA graphs, for the host-bound sign modes).
@@ -346,14 +347,17 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     # signs: the sign settings over the schema's defaults (None: scales only); grad_clip 2 is the GPU recipe's.
     # The last sign row runs the factored sign step as tensor ops (what it was before nvg/fused_sign_step.py), beside
     # the fused Triton passes that CUDA runs: the kernels' gain, measured in one run.
-    # (targets, teacher, sign settings, q2tp embedding, hidden_weight, the f16 embedding trained)
-    modes = {"topk (scales)": (topk, None, None, False, 0.0, False), "live (scales)": (live, teacher, None, False, 0.0, False),
-             "live + signs": (live, teacher, {}, False, 0.0, False),
-             "live + signs, grad_clip 2": (live, teacher, {"grad_clip": 2.0}, False, 0.0, False),
-             "live + signs, grad_clip 2, hidden 0.3": (live, teacher, {"grad_clip": 2.0}, False, 0.3, False),
-             "live + signs, grad_clip 2, hidden 0.3, embedding trained": (live, teacher, {"grad_clip": 2.0}, False, 0.3, True),
-             "live + signs, grad_clip 2, tensor-op sign step": (live, teacher, {"grad_clip": 2.0}, False, 0.0, False),
-             "live, q2tp embedding": (live, teacher, None, True, 0.0, False)}
+    # (targets, teacher, sign settings, q2tp embedding, hidden_weight, the f16 embedding trained, train.fp8)
+    modes = {"topk (scales)": (topk, None, None, False, 0.0, False, False),
+             "topk (scales), fp8": (topk, None, None, False, 0.0, False, True),
+             "live (scales)": (live, teacher, None, False, 0.0, False, False),
+             "live + signs": (live, teacher, {}, False, 0.0, False, False),
+             "live + signs, grad_clip 2": (live, teacher, {"grad_clip": 2.0}, False, 0.0, False, False),
+             "live + signs, grad_clip 2, hidden 0.3": (live, teacher, {"grad_clip": 2.0}, False, 0.3, False, False),
+             "live + signs, grad_clip 2, hidden 0.3, embedding trained": (live, teacher, {"grad_clip": 2.0}, False, 0.3, True, False),
+             "live + signs, grad_clip 2, hidden 0.3, embedding trained, fp8": (live, teacher, {"grad_clip": 2.0}, False, 0.3, True, True),
+             "live + signs, grad_clip 2, tensor-op sign step": (live, teacher, {"grad_clip": 2.0}, False, 0.0, False, False),
+             "live, q2tp embedding": (live, teacher, None, True, 0.0, False, False)}
     unknown = set(only or ()) - set(modes)
     if unknown:
         raise SystemExit(f"--only: no mode {sorted(unknown)}; the modes are {list(modes)}")
@@ -362,7 +366,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     pair = ("live + signs, grad_clip 2", "live + signs, grad_clip 2, tensor-op sign step")
     paired = {}
     held = 0  # bytes the paired rows keep while the rows after them run: left out of those rows' peaks
-    for name, (targets, t, signs, q2tp, hidden_weight, embedding) in modes.items():
+    for name, (targets, t, signs, q2tp, hidden_weight, embedding, fp8) in modes.items():
         if only and name not in only:
             continue
         before = torch.cuda.memory_allocated()
@@ -370,6 +374,8 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         fused_sign_step.triton = None if name.endswith("tensor-op sign step") else triton
         student = blr_student(cfg, dense, 1.0, plan)
         student = graph_per_signature(student) if per_signature else student
+        for m in student.blr_linears().values():
+            m.fp8 = fp8
         student = compile_blocks((q2tp_embedding(student) if q2tp else student).cuda(), compile_mode)
         sfpt = blr_flops_per_token(student) + attention_flops(cfg)
         # teacher_memo_bytes 0: the live teacher runs every step, as for the pipeline's thousands of windows (the

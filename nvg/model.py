@@ -21,6 +21,7 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from nvg import blr as blr_codec
+from nvg import fp8
 from nvg.cmf import (BLR, CODE_RANGE, F16, GROUP_SCALED, CmfFile, Tensor, dense_tensor, quant_groups, read_cmf, tensor_to_numpy,
                      with_group_codes, with_group_scales, write_cmf)
 from nvg.errors import NvgError
@@ -111,6 +112,7 @@ class BlrLinear(nn.Module):
         self.su = nn.Parameter(stack([s[0] for s in signs]).to(torch.bfloat16), requires_grad=False)  # [P, d_out, r]
         self.sv = nn.Parameter(stack([s[1] for s in signs]).to(torch.bfloat16), requires_grad=False)  # [P, r, d_in]
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.fp8 = False  # train.fp8: the GEMMs in fp8 with the scales on the activations (nvg/fp8.py)
 
     @property
     def rank(self) -> int:
@@ -118,7 +120,9 @@ class BlrLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        if x.is_cuda:
+        if self.fp8:
+            y = fp8.blr_matmul(x.to(dt), self.h, self.ell, self.g, self.su, self.sv)
+        elif x.is_cuda:
             paths, rank = self.ell.shape
             a = (self.sv * (self.ell[:, :, None] * self.g[:, None, :])).to(dt).reshape(paths * rank, self.g.shape[1])
             b = (self.su * self.h[:, :, None]).to(dt).permute(1, 0, 2).reshape(self.h.shape[1], paths * rank)

@@ -38,7 +38,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from nvg import distributed
+from nvg import distributed, fp8
 from nvg.adam import OnePassAdam
 from nvg.artifacts import check_encoded_from, encoded_from
 from nvg.atomic import atomic_path
@@ -78,6 +78,7 @@ class TrainSettings:
     gpus: int
     recompute_every: int
     cuda_graphs: bool
+    fp8: bool
     state_root: str
     signs: SignSettings
 
@@ -88,6 +89,7 @@ class TrainSettings:
         check(self.targets == "live" or self.signs.init == "uniform", "train", "signs.init",
               "margin needs targets: live (the margins come from the live teacher's weights)")
         check(self.targets == "topk" or not self.tail, "train", "tail", "applies to targets: topk only (live targets have the whole vocabulary)")
+        check(not self.fp8 or self.precision == "bf16", "train", "fp8", f"needs train.precision bf16 (the fp8 GEMMs write bf16), got {self.precision}")
 
 
 def state_settings(settings: TrainSettings) -> dict:
@@ -197,6 +199,12 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     if s.embedding_lr > 0 and not model.dense_vocab():
         raise NvgError(f"config train.embedding_lr: {s.embedding_lr}, but {student}'s embedding and LM head are not dense "
                        "(quantised ones train their group scales: train.group_scale_lr)")
+    if s.fp8:
+        check(fp8.has_fp8_matmuls(device), "train", "fp8", f"needs a CUDA GPU with fp8 tensor cores (compute capability 8.9 or newer); this run is on {device}")
+        for name, m in model.blr_linears().items():
+            check(m.h.shape[1] % fp8.RANK_MULTIPLE == 0 and m.g.shape[1] % fp8.RANK_MULTIPLE == 0, "train", "fp8",
+                  f"{student}: {name} is {m.h.shape[1]} × {m.g.shape[1]}; fp8 GEMMs need both sides divisible by {fp8.RANK_MULTIPLE}")
+            m.fp8 = True
     if s.group_code_lr > 0:
         for g in model.group_codes().values():
             g.train_codes()

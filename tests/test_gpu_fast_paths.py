@@ -500,3 +500,39 @@ def test_one_pass_adam_on_cuda_steps_as_torchs_adam():
     resumed.load_state_dict(fused.state_dict())
     resumed.step()
     assert all(st["step"].device.type == "cpu" and st["step"].item() == 2.0 for st in resumed.state.values())
+
+
+def test_fp8_gemms_on_cuda_match_the_cpu():
+    """nvg/fp8.py on the GPU's fp8 tensor cores gives the CPU's output and gradients (the same roundings, the sums
+    in another order) at a SmolLM2 gate's shape: 1536 × 576, two paths of rank 136 (padded to 144), signs trained."""
+    from nvg import fp8
+    from tests.test_fp8 import blr_factors
+
+    assert fp8.has_fp8_matmuls(torch.device("cuda"))
+    results = {}
+    for device in ("cpu", "cuda"):
+        factors = [t.to(device).requires_grad_(True) for t in blr_factors(paths=2, d_out=1536, d_in=576, rank=136)]
+        x = torch.randn(4, 256, 576, generator=torch.Generator().manual_seed(5)).to(device, torch.bfloat16).requires_grad_(True)
+        y = fp8.blr_matmul(x, *factors)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).to(device, torch.bfloat16)
+        results[device] = [y, *torch.autograd.grad(y, [x, *factors], dy)]
+    for got, want in zip(results["cuda"], results["cpu"]):
+        assert ((got.cpu().float() - want.float()).norm() / want.float().norm()).item() < 0.02
+
+
+def test_fp8_training_on_cuda_follows_bf16(stage_inputs):
+    """`train.fp8` in the GPU recipe's mode (live teacher, hidden-state loss, signs and the embedding trained; bf16,
+    compiled blocks): six steps' losses and the held-out KLs within 2 % of the same run's in bf16."""
+    import json
+
+    from tests.conftest import train
+
+    recipe = dict(device="cuda", precision="bf16", epochs=1, targets="live", hidden_weight=0.5, embedding_lr=1.0,
+                  signs={"enabled": True, "warm": 1, "eta": 0.2}, stop_after=6)
+    for name, on in (("bf16", False), ("fp8", True)):
+        train(stage_inputs, name, fp8=on, **recipe)
+    runs = {name: [json.loads(line) for line in (stage_inputs / f"{name}.jsonl").read_text().splitlines()] for name in ("bf16", "fp8")}
+    for key in ("loss", "heldout_kl"):
+        got, want = ([m[key] for m in runs[name] if key in m] for name in ("fp8", "bf16"))
+        assert len(got) == len(want) > 1
+        np.testing.assert_allclose(got, want, rtol=0.02)

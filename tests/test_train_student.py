@@ -404,6 +404,7 @@ def test_a_live_teacher_the_student_was_not_encoded_from_is_refused(stage_inputs
     ('{"signs": {"tau": 0}}', "train.signs.tau: 0 is less than or equal to the minimum of 0"),
     ('{"signz": {}}', "train.signz: unknown key"),
     ('{"targets": "live", "tail": true}', "train.tail: applies to targets: topk only"),
+    ('{"fp8": true, "precision": "fp32"}', "train.fp8: needs train.precision bf16"),
 ])
 def test_bad_settings(text, message):
     with pytest.raises(NvgError, match=message):
