@@ -438,6 +438,11 @@ def main():
            "window": WINDOW, "date": time.strftime("%Y-%m-%d")}
     m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     out["bf16_matmul_TFLOP_s"] = round(2 * 8192 ** 3 / timed(lambda: m @ m, 10) / 1e12, 1)
+    if torch.cuda.get_device_capability() >= (8, 9):  # the fp8 rate train.fp8's GEMMs run at (nvg/fp8.py)
+        m8, one = m.to(torch.float8_e4m3fn), torch.ones((), device="cuda")
+        fp8_mm = lambda: torch._scaled_mm(m8, m8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+        out["fp8_matmul_TFLOP_s"] = round(2 * 8192 ** 3 / timed(fp8_mm, 10) / 1e12, 1)
+        m8 = None
     m = None
     if a.modes:
         shapes = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.2-1B-shaped": LLAMA_1B}
