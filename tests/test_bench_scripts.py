@@ -141,3 +141,28 @@ def test_cpu_step_times_train_students_step_on_the_stage_outputs(stage_inputs):
         assert report["targets"] == targets and report["batch"] == 2 and report["tokens"] == 2 * window
         assert report["hidden_weight"] == (0.3 if targets == "live" else None)
         assert all(report[k] > 0 for k in ("step_s_first_round", "step_s_second_round", "heldout_kl_pass_s"))
+
+
+def test_fp8_quality_trains_both_ways_and_scores_both_files(stage_inputs, tmp_path):
+    """bench/fp8_quality.py on a run folder's layout (config.yaml's train block, the reconstructed student, the
+    windows, the teacher): both trainings reach their end, their held-out KLs step by step and the trained files'
+    are reported side by side, the fp8 ones off by its rounding (not zero, a few per cent at most)."""
+    import shutil
+
+    import yaml
+
+    d, folder = stage_inputs, tmp_path / "run"
+    for source, place in (("student.cmf", "student/reconstructed.cmf"), ("windows.h5", "data/windows.h5"), ("teacher.cmf", "teacher.cmf")):
+        (folder / "results" / place).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(d / source, folder / "results" / place)
+    train = {"epochs": 1, "batch": 4, "lr": 0.01, "eval_every": 2, "state_every": 100, "precision": "bf16", "device": "cpu"}
+    (folder / "config.yaml").write_text(yaml.safe_dump({"train": train}))
+    out = tmp_path / "fp8.json"
+    run_bench("fp8_quality.py", "--folder", folder, "--out", out)
+    rows = json.loads(out.read_text())["evals"]
+    steps, final = rows[:-1], rows[-1]
+    assert steps[0]["step"] == 0 and len(steps) >= 2 and final["trained file, scored in bf16"]
+    for row in rows:
+        assert row["heldout_kl_fp8"] != row["heldout_kl"]
+        assert row["fp8_vs_without"] == round(row["heldout_kl_fp8"] / row["heldout_kl"] - 1, 5)
+        assert abs(row["fp8_vs_without"]) < 0.05
