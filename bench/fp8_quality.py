@@ -5,10 +5,10 @@ each trained file's own, read back and scored the usual way (the GEMMs in bf16, 
 
     python bench/fp8_quality.py --folder /path/to/a/finished/run [--train '{"signs": {"enabled": true}}'] --out fp8.json
 
-On a GPU with fp8 tensor cores this is the measurement itself. On a CPU, `_scaled_mm` is torch's reference of the
-same roundings (e4m3 codes, per-row float32 scales, bf16 out), so nvg/fp8.py runs unchanged and the KL is the GPU's
-up to the order of the sums; train_student refuses fp8 there (no speed to gain), so this script lifts that check for
-its own process. The folder's config.yaml gives the train block (the schema's defaults under it); the student is the
+On a GPU with fp8 tensor cores this is the measurement itself. On a CPU, nvg/fp8.py's GEMMs are its float32
+reference of the same roundings (e4m3 codes, per-row float32 scales, bf16 out), so the KL is the GPU's up to the
+order of the sums; train_student refuses fp8 there (no speed to gain), so this script lifts that check for its own
+process. The folder's config.yaml gives the train block (the schema's defaults under it); the student is the
 one its train_student read (results/student/reconstructed.cmf), live targets from results/teacher.cmf."""
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ Saved for backward: x, which autograd keeps for the block's other ops anyway, an
 `_scaled_mm` needs both dimensions of its second operand divisible by 16: the rank is padded to a multiple
 of 16 with zero signs and zero ℓ (the padded columns of t and u are zero and add nothing), and a linear's
 own sides must be multiples of 16 (train_student checks; every Llama-family shape is).
-It runs on the CPU too (slowly), which is how the tests check it against the dense form's autograd."""
+On the CPU `mm` is a float32 reference of the same roundings, which is how the tests check the function against
+the dense form's autograd and the CUDA tests check the fp8 tensor cores against it."""
 
 from __future__ import annotations
 
@@ -39,10 +40,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mm(a: torch.Tensor, b_rows: torch.Tensor, col_scale: torch.Tensor | None = None) -> torch.Tensor:
     """a [M, K] · b_rowsᵀ in fp8 with a's rows rounded (`quantize_rows`) and b_rows [N, K] already e4m3
-    (exact ±1 or 0), each output column times `col_scale` [N] (in the epilogue) → bf16 [M, N]."""
+    (exact ±1 or 0), each output column times `col_scale` [N] (in the epilogue) → bf16 [M, N]. On CUDA the fp8
+    tensor cores; elsewhere the reference: the same e4m3 products summed in float32, scaled, rounded to bf16
+    (torch's CPU `_scaled_mm` takes one scale per tensor only, up to 2.11 at least)."""
     codes, scale = quantize_rows(a)
     cols = torch.ones(1, b_rows.shape[0], device=a.device) if col_scale is None else col_scale.float()[None, :]
-    return torch._scaled_mm(codes, b_rows.t(), scale_a=scale, scale_b=cols, out_dtype=torch.bfloat16)
+    if a.is_cuda:
+        return torch._scaled_mm(codes, b_rows.t(), scale_a=scale, scale_b=cols, out_dtype=torch.bfloat16)
+    return ((codes.float() @ b_rows.float().t()) * scale * cols).to(torch.bfloat16)
 
 
 def has_fp8_matmuls(device: torch.device) -> bool:
