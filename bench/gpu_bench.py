@@ -444,6 +444,7 @@ def main():
         out["fp8_matmul_TFLOP_s"] = round(2 * 8192 ** 3 / timed(fp8_mm, 10) / 1e12, 1)
         m8 = None
     m = None
+    print(json.dumps(out), flush=True)  # the rates in the log too: a run stopped at its call's limit writes no JSON (session 57)
     if a.modes:
         shapes = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.2-1B-shaped": LLAMA_1B}
         out["step"] = {name: step_modes(shapes[name], batch, a.iters, a.windows, out["bf16_matmul_TFLOP_s"], a.profile,
