@@ -42,7 +42,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from nvg import blr as codec
-from nvg import tiled
+from nvg import fp8, tiled
 from nvg.cmf import Q2TP, Tensor
 from nvg.losses import topk_logprobs
 from nvg.adam import OnePassAdam
@@ -366,7 +366,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     pair = ("live + signs, grad_clip 2", "live + signs, grad_clip 2, tensor-op sign step")
     paired = {}
     held = 0  # bytes the paired rows keep while the rows after them run: left out of those rows' peaks
-    for name, (targets, t, signs, q2tp, hidden_weight, embedding, fp8) in modes.items():
+    for name, (targets, t, signs, q2tp, hidden_weight, embedding, in_fp8) in modes.items():
         if only and name not in only:
             continue
         before = torch.cuda.memory_allocated()
@@ -375,7 +375,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         student = blr_student(cfg, dense, 1.0, plan)
         student = graph_per_signature(student) if per_signature else student
         for m in student.blr_linears().values():
-            m.fp8 = fp8
+            m.fp8 = in_fp8
         student = compile_blocks((q2tp_embedding(student) if q2tp else student).cuda(), compile_mode)
         sfpt = blr_flops_per_token(student) + attention_flops(cfg)
         # teacher_memo_bytes 0: the live teacher runs every step, as for the pipeline's thousands of windows (the
@@ -438,7 +438,7 @@ def main():
            "window": WINDOW, "date": time.strftime("%Y-%m-%d")}
     m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     out["bf16_matmul_TFLOP_s"] = round(2 * 8192 ** 3 / timed(lambda: m @ m, 10) / 1e12, 1)
-    if torch.cuda.get_device_capability() >= (8, 9):  # the fp8 rate train.fp8's GEMMs run at (nvg/fp8.py)
+    if fp8.has_fp8_matmuls(torch.device("cuda")):  # the rate train.fp8's GEMMs run at
         m8, one = m.to(torch.float8_e4m3fn), torch.ones((), device="cuda")
         fp8_mm = lambda: torch._scaled_mm(m8, m8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
         out["fp8_matmul_TFLOP_s"] = round(2 * 8192 ** 3 / timed(fp8_mm, 10) / 1e12, 1)

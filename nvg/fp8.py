@@ -4,7 +4,8 @@ y = Σ_p h_p ⊙ ((ℓ_p ⊙ ((g_p ⊙ x) S_V,pᵀ)) S_U,pᵀ). The signs are ±
 bf16 form (`nvg/model.py: BlrLinear`, which multiplies the scales into the sign factors) the scales stay
 on the activations and only activations and gradients are rounded: each row (a token) to e4m3 with a
 float32 scale of its own, the one that maps its largest entry to e4m3's largest, 448. Per row, not per
-tensor, because a few tokens' activations (the attention sink's) are hundreds of times the rest's.
+tensor, because e4m3's normal range spans only 2⁻⁶ to 448: a token whose activations are far beyond the rest's
+(the massive activations entering down_proj) would push every other row into its coarse subnormals.
 
 Four of a path's six GEMMs run in fp8: the forward's two, t = (g ⊙ x) S_Vᵀ and z = (ℓ ⊙ t) S_Uᵀ, and the
 input gradient's two, e = (h ⊙ dy) S_U and dx = g ⊙ ((ℓ ⊙ e) S_V). h and g, scales of a GEMM's output
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
-RANK_MULTIPLE = 16
+ALIGNMENT = 16  # `_scaled_mm`'s: both sides of its second operand are multiples of it
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +57,7 @@ def has_fp8_matmuls(device: torch.device) -> bool:
 
 
 def padded_rank(rank: int) -> int:
-    return -(-rank // RANK_MULTIPLE) * RANK_MULTIPLE
+    return -(-rank // ALIGNMENT) * ALIGNMENT
 
 
 class Fp8BlrMatmul(torch.autograd.Function):
@@ -97,7 +98,8 @@ class Fp8BlrMatmul(torch.autograd.Function):
             if need_x:
                 dxp = mm(de, sv_t, g[p])  # g in the epilogue
                 dx = dxp if dx is None else dx + dxp
-            grads["ell"].append((e.float() * ts[p].float()).sum(0)[:r])
+            if need_ell:
+                grads["ell"].append((e.float() * ts[p].float()).sum(0)[:r])
             if need_h or need_su:
                 u = (ts[p] * ell_p[p].to(ts.dtype))
                 m = (dy.t() @ u)[:, :r].float()  # [d_out, r]

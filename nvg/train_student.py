@@ -194,16 +194,17 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     if targets.topk is not None:
         targets.topk.check_teacher(encoded_from(s_cmf), f"{student} was encoded from teacher")
     device = group.device(requested)
+    check(not s.fp8 or fp8.has_fp8_matmuls(device), "train", "fp8",
+          f"needs a CUDA GPU with fp8 tensor cores (compute capability 8.9 or newer); this run is on {device}")
     t_cmf = read_verified(teacher) if live else None
     model = load_model(s_cmf, device)
     if s.embedding_lr > 0 and not model.dense_vocab():
         raise NvgError(f"config train.embedding_lr: {s.embedding_lr}, but {student}'s embedding and LM head are not dense "
                        "(quantised ones train their group scales: train.group_scale_lr)")
     if s.fp8:
-        check(fp8.has_fp8_matmuls(device), "train", "fp8", f"needs a CUDA GPU with fp8 tensor cores (compute capability 8.9 or newer); this run is on {device}")
         for name, m in model.blr_linears().items():
-            check(m.h.shape[1] % fp8.RANK_MULTIPLE == 0 and m.g.shape[1] % fp8.RANK_MULTIPLE == 0, "train", "fp8",
-                  f"{student}: {name} is {m.h.shape[1]} × {m.g.shape[1]}; fp8 GEMMs need both sides divisible by {fp8.RANK_MULTIPLE}")
+            check(m.h.shape[1] % fp8.ALIGNMENT == 0 and m.g.shape[1] % fp8.ALIGNMENT == 0, "train", "fp8",
+                  f"{student}: {name} is {m.h.shape[1]} × {m.g.shape[1]}; fp8 GEMMs need both sides divisible by {fp8.ALIGNMENT}")
             m.fp8 = True
     if s.group_code_lr > 0:
         for g in model.group_codes().values():
