@@ -12,6 +12,7 @@ payload is copied byte for byte.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -167,8 +168,9 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
             bpw, origin = bpw * settings.kv_factor, f"{origin} × config encode.kv_factor {settings.kv_factor}"
         check_room(name, t_cmf.tensors[name].shape, bpw, origin)
         budgets[name] = bpw
+    given = dict(budgets)
     if settings.fill:
-        budgets = filled_budgets(budgets, shapes, settings.paths)
+        budgets = filled_budgets(given, shapes, settings.paths)
     vocab = {}  # the embedding's and LM head's (format, bpw if blr), settled and checked as the budgets are
     for name in (n for n in VOCAB_MATRICES if n in t_cmf.tensors):
         fmt, bpw, origin = plan.vocab_rule(name, settings.embedding, settings.embedding_bpw)
@@ -182,26 +184,44 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
     device = pick_device(settings.device)
     t0 = time.perf_counter()
     payloads, rows = {}, {}
-    pb = bar(len(body), "budget_reencode", "tensor", body)
-    for name in pb:
-        layer, role = parse_body_linear(name)
-        bpw = budgets[name]
-        shape = t_cmf.tensors[name].shape
-        if s_cmf is not None and s_cmf.tensors.get(name) is not None and s_cmf.tensors[name].dtype == BLR:
-            cur = codec.parse_header(bytes(s_cmf.tensors[name].data[:16]))
-            if codec.max_rank(bpw, cur.paths, *shape) == cur.rank:
-                payloads[name] = s_cmf.tensors[name].data  # budget unchanged: byte-identical
-                rows[name] = {"method": "kept", "rank": cur.rank, "paths": cur.paths,
-                              "bpw": codec.bits_per_weight(cur.paths, cur.rank, *shape), "planned_bpw": bpw}
-                continue
-        H_fit, H_sel, _, _ = read_grams(grams, layer, ROLE_INPUT[role])
-        W = tensor_to_numpy(t_cmf.tensors[name])
-        blr, row = encode_tensor(W, H_fit, H_sel, bpw, role, arch["head_dim"], settings, device, name)
-        payloads[name] = blr.encode()
-        rows[name] = row
-        pb.write(f"  {name}: P={row['paths']} r={row['rank']} {row['bpw']:.4f} bpw, rel SEL error {row['rel_sel_error']:.4f}",
-                 file=sys.stderr)
-    pb.close()
+
+    def encode_body(names: list[str], label: str, paths: dict[str, int] | None = None) -> None:
+        """Each of `names` at its budget into `payloads` and `rows`, at its path count in `paths` where given."""
+        pb = bar(len(names), label, "tensor", names)
+        for name in pb:
+            layer, role = parse_body_linear(name)
+            bpw = budgets[name]
+            shape = t_cmf.tensors[name].shape
+            if s_cmf is not None and s_cmf.tensors.get(name) is not None and s_cmf.tensors[name].dtype == BLR:
+                cur = codec.parse_header(bytes(s_cmf.tensors[name].data[:16]))
+                if codec.max_rank(bpw, cur.paths, *shape) == cur.rank:
+                    payloads[name] = s_cmf.tensors[name].data  # budget unchanged: byte-identical
+                    rows[name] = {"method": "kept", "rank": cur.rank, "paths": cur.paths,
+                                  "bpw": codec.bits_per_weight(cur.paths, cur.rank, *shape), "planned_bpw": bpw}
+                    continue
+            H_fit, H_sel, _, _ = read_grams(grams, layer, ROLE_INPUT[role])
+            W = tensor_to_numpy(t_cmf.tensors[name])
+            at = settings if paths is None else dataclasses.replace(settings, paths=str(paths[name]))
+            blr, row = encode_tensor(W, H_fit, H_sel, bpw, role, arch["head_dim"], at, device, name)
+            payloads[name] = blr.encode()
+            rows[name] = row
+            pb.write(f"  {name}: P={row['paths']} r={row['rank']} {row['bpw']:.4f} bpw, rel SEL error {row['rel_sel_error']:.4f}",
+                     file=sys.stderr)
+        pb.close()
+
+    encode_body(body, "budget_reencode")
+    if settings.fill and settings.paths == "auto":
+        # the fill above counted each tensor at its dearer path count; what the encoder's choices left is spent now
+        chosen = {n: (budgets[n], rows[n]["paths"]) for n in body}
+        refilled = filled_budgets(given, shapes, settings.paths, chosen)
+        raised = [n for n in body if codec.max_rank(refilled[n], rows[n]["paths"], *shapes[n]) > rows[n]["rank"]]
+        before = sum(8 * codec.payload_nbytes(r["paths"], r["rank"], *shapes[n]) for n, r in rows.items() if n in shapes)
+        budgets.update(refilled)
+        encode_body(raised, "budget_reencode (fill)", {n: rows[n]["paths"] for n in raised})
+        after = sum(8 * codec.payload_nbytes(r["paths"], r["rank"], *shapes[n]) for n, r in rows.items() if n in shapes)
+        weights = sum(o * i for o, i in shapes.values())
+        print(f"budget_reencode: encode.fill after encode.paths auto's choices: {len(raised)} linears a rank step up, "
+              f"body {before / weights:.4f} → {after / weights:.4f} bpw", file=sys.stderr)
     base = s_cmf or t_cmf
     tensors = []
     for name, t in base.tensors.items():

@@ -112,27 +112,36 @@ def ends_raised(budgets: dict[str, tuple[float, str]], shapes: dict[str, tuple[i
                    f"the other default-budget tensors at {lowered:.4f}")
 
 
-def filled_budgets(budgets: dict[str, float], shapes: dict[str, tuple[int, int]], paths: str) -> dict[str, float]:
+def filled_budgets(budgets: dict[str, float], shapes: dict[str, tuple[int, int]], paths: str,
+                   chosen: dict[str, tuple[float, int]] | None = None) -> dict[str, float]:
     """The body linears' budgets raised so that the body spends the bits it was given as a whole (config
     encode.fill). Each budget alone is a cap that the rank rounds down under, 8 at a time: at 1.0 bpw SmolLM2's MLP
     matrices keep rank 184 (0.962 bpw), as 192 would take 1.0001, and its body comes to 0.957 bpw. Here, in rounds,
     each tensor in turn, the smallest raise first (ties in body order), gets the budget of its next rank while the
     body's bits, counted for the path count that spends the most (`paths`: config encode.paths), stay within the sum
-    of the budgets given: the body's bits per weight never exceed their mean."""
+    of the budgets given: the body's bits per weight never exceed their mean.
+
+    `chosen` (name → the budget it was encoded at and the path count the encoder kept) goes on from an encoding:
+    under encode.paths auto the encoder keeps the path count that errs least, often the one that spends less than
+    the fill counted (session 58's GPU recipe: body 0.990 bpw), so the fill starts again from those budgets with
+    each tensor's bits counted at its own path count, and raises only at that count."""
+    def counts(name: str, bpw: float) -> tuple[int, ...]:
+        return (chosen[name][1],) if chosen else codec.path_counts(bpw, paths, *shapes[name])
+
     def spent(name: str, bpw: float) -> int:
         o, i = shapes[name]
-        return max(8 * codec.payload_nbytes(p, codec.max_rank(bpw, p, o, i), o, i) for p in codec.path_counts(bpw, paths, o, i))
+        return max(8 * codec.payload_nbytes(p, codec.max_rank(bpw, p, o, i), o, i) for p in counts(name, bpw))
 
     def next_budget(name: str, bpw: float) -> float | None:
         """The least budget that holds 8 more rank for some path count (half a bit over its payload, so that
         rounding in max_rank cannot fall back), or None where every path count is at full rank."""
         o, i = shapes[name]
-        raises = [(8 * codec.payload_nbytes(p, r + 8, o, i) + 0.5) / (o * i) for p in codec.path_counts(bpw, paths, o, i)
+        raises = [(8 * codec.payload_nbytes(p, r + 8, o, i) + 0.5) / (o * i) for p in counts(name, bpw)
                   if (r := codec.max_rank(bpw, p, o, i)) + 8 <= min(o, i)]
         return min(raises, default=None)
 
     allowance = sum(b * shapes[n][0] * shapes[n][1] for n, b in budgets.items())
-    filled = dict(budgets)
+    filled = {n: chosen[n][0] for n in budgets} if chosen else dict(budgets)
     used = sum(spent(n, b) for n, b in filled.items())
     raised = True
     while raised:

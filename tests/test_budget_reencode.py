@@ -238,6 +238,30 @@ def test_filling_spends_the_bodys_bits_as_a_whole_and_never_more(paths, plan):
         assert {codec.max_rank(filled[n], 2, *shapes[n]) for n in shapes if ".mlp." in n} == {192}
 
 
+def test_after_the_encoders_path_choices_the_fill_spends_what_they_left():
+    """encode.paths auto: the fill counts each tensor at its dearer path count, and the encoder then keeps the
+    one that errs least. Session 58's GPU recipe (blocks 0 and 29 at 2.0, the rest at 0.9286) came to 0.990 bpw.
+    With every tensor at its cheaper count (the worst case, 0.959 bpw on SmolLM2's body here) the fill goes on from
+    the encoded budgets at each tensor's own count: within a rank step of the budget, never over, no rank lower."""
+    shapes = SMOLLM2_BODY
+    given = {n: 2.0 if n.startswith(("model.layers.0.", "model.layers.29.")) else 0.9286 for n in shapes}
+    allowance = sum(b * shapes[n][0] * shapes[n][1] for n, b in given.items())
+    first = filled_budgets(given, shapes, "auto")
+
+    def bits(p: int, bpw: float, n: str) -> int:
+        return 8 * codec.payload_nbytes(p, codec.max_rank(bpw, p, *shapes[n]), *shapes[n])
+
+    cheaper = {n: (b, min((1, 2), key=lambda p: bits(p, b, n))) for n, b in first.items()}
+    spent_before = sum(bits(p, b, n) for n, (b, p) in cheaper.items())
+    refilled = filled_budgets(given, shapes, "auto", cheaper)
+    spent_after = sum(bits(p, refilled[n], n) for n, (_, p) in cheaper.items())
+    weights = sum(o * i for o, i in shapes.values())
+    assert spent_before / weights < 0.96 and spent_before < spent_after <= allowance
+    smallest_step = min(8 * codec.payload_nbytes(1, 8, o, i) - 8 * codec.payload_nbytes(1, 0, o, i) for o, i in shapes.values())
+    assert allowance - spent_after < smallest_step
+    assert all(codec.max_rank(refilled[n], p, *shapes[n]) >= codec.max_rank(b, p, *shapes[n]) for n, (b, p) in cheaper.items())
+
+
 def smollm2_ends(plan_text: str, factor: float) -> tuple[dict, str]:
     plan = parse_plan(plan_text, "plan.txt")
     plan.default = plan.default or 1.0
@@ -325,6 +349,23 @@ def test_a_filled_encoding_spends_more_of_its_budget_and_records_it(encoded, tin
                for n, row in capped["tensors"].items())
     assert [read_cmf(encoded / f"{name}.cmf").header["provenance"]["nvg_encode"]["fill"] for name in ("capped", "filled")] == [False, True]
     assert load(EncodeSettings).fill is True
+
+
+def test_an_auto_paths_encoding_is_filled_again_at_the_path_counts_it_kept(encoded, tiny_cmf, capsys):
+    """encode.paths auto with the fill: after the encoder's choices the body is within a rank step (at each tensor's
+    kept path count) of its budget and never over it."""
+    main(tiny_cmf, encoded / "grams.h5", encoded / "auto.cmf", encoded / "auto.json",
+         load(EncodeSettings, bpw=2.0, paths="auto", device="cpu"))
+    log = capsys.readouterr().err
+    assert "encode.fill after encode.paths auto's choices:" in log
+    report = json.loads((encoded / "auto.json").read_text())
+    shapes = {n: read_cmf(tiny_cmf).tensors[n].shape for n in report["tensors"]}
+    weights = sum(o * i for o, i in shapes.values())
+    spent = sum(8 * codec.payload_nbytes(r["paths"], r["rank"], *shapes[n]) for n, r in report["tensors"].items())
+    assert report["body_bpw"] == pytest.approx(spent / weights) and spent <= 2.0 * weights
+    for n, r in report["tensors"].items():
+        raise_bits = 8 * (codec.payload_nbytes(r["paths"], r["rank"] + 8, *shapes[n]) - codec.payload_nbytes(r["paths"], r["rank"], *shapes[n]))
+        assert r["rank"] + 8 > min(shapes[n]) or spent + raise_bits > 2.0 * weights
 
 
 def test_plan_error_comes_before_any_model_is_read(tmp_path):
