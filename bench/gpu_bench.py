@@ -46,6 +46,7 @@ from nvg import fp8, tiled
 from nvg.cmf import Q2TP, Tensor
 from nvg.losses import topk_logprobs
 from nvg.adam import OnePassAdam
+from nvg.atomic import write_json
 from nvg.distill import Distiller, Targets, param_groups
 from nvg.layout import BODY_ROLES, parse_body_linear
 from nvg.distributed import Group
@@ -311,7 +312,8 @@ def profiled(fn, steps: int = 2) -> dict[str, str]:
 
 def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tflops: float, profile: bool = False,
                only: list[str] | None = None, plan: dict | None = None, compile_mode: str | None = None,
-               per_signature: bool = False, adam: str = "one-pass", recompute_every: int = 1) -> dict:
+               per_signature: bool = False, adam: str = "one-pass", recompute_every: int = 1,
+               progress=lambda rows: None) -> dict:
     """train_student's step in each training mode (docs/training.md) on a model of shape `cfg` (random
     weights, 1 bpw, P = 2), batch × WINDOW tokens, each beside the plain-transformers dense KD step: the
     cached top-64 (`targets: topk`), the live teacher (`targets: live`, full-vocabulary KL), the live teacher
@@ -337,7 +339,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
     opt = torch.optim.Adam(hf.parameters(), lr=1e-5)
     rows: dict = {"batch": batch, "transformers (dense)": measure(lambda: baseline_step(hf, opt, x, ids, logp.exp()),
                                                                  batch * WINDOW, 3 * fpt, iters, windows)}
-    print(json.dumps(rows), flush=True)
+    progress(rows)
     hf = opt = big = None
     if "TFLOP_s" in rows["transformers (dense)"]:
         rows["transformers (dense)"]["MFU"] = round(rows["transformers (dense)"]["TFLOP_s"] / matmul_tflops, 3)
@@ -395,7 +397,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
         if profile:  # where a mode's time goes: the ops with the most GPU time over two steps, and the host's
             row["profile"] = profiled(step)
         rows[name] = row
-        print(json.dumps(rows), flush=True)
+        progress(rows)
         d = opt = student = step = None
         if name in paired:
             held += torch.cuda.memory_allocated() - before
@@ -405,7 +407,7 @@ def step_modes(cfg: ModelConfig, batch: int, iters: int, windows: int, matmul_tf
                                for name, (_, kernels) in paired.items()}, iters, windows)
         for name, s in seconds.items():
             rows[name]["tok_s_interleaved"] = round(batch * WINDOW / s)
-        print(json.dumps(rows), flush=True)
+        progress(rows)
     fused_sign_step.triton = triton
     return rows
 
@@ -444,18 +446,23 @@ def main():
         out["fp8_matmul_TFLOP_s"] = round(2 * 8192 ** 3 / timed(fp8_mm, 10) / 1e12, 1)
         m8 = None
     m = None
-    print(json.dumps(out), flush=True)  # the rates in the log too: a run stopped at its call's limit writes no JSON (session 57)
+    print(json.dumps(out), flush=True)
     if a.modes:
-        shapes = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.2-1B-shaped": LLAMA_1B}
-        out["step"] = {name: step_modes(shapes[name], batch, a.iters, a.windows, out["bf16_matmul_TFLOP_s"], a.profile,
-                                           a.only, a.plan_log and read_plan(a.plan_log, shapes[name]), a.compile_mode,
-                                           a.graph_per_signature, a.adam, a.recompute_every)
-                       for name, batch in zip(a.shapes, a.batch)}
         out.update(plan_log=a.plan_log, compile_mode=a.compile_mode, graph_per_signature=a.graph_per_signature,
-                   adam=a.adam, recompute_every=a.recompute_every)
+                   adam=a.adam, recompute_every=a.recompute_every, step={})
+        write_json(a.out, out)
+        shapes = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.2-1B-shaped": LLAMA_1B}
+        for name, batch in zip(a.shapes, a.batch):
+            def progress(rows, name=name):
+                """Each finished row into the JSON at once: a run stopped at its call's limit keeps what it measured
+                (session 57 lost its matmul rates and 1B rows so)."""
+                out["step"][name] = rows
+                write_json(a.out, out)
+                print(json.dumps(rows), flush=True)
+            step_modes(shapes[name], batch, a.iters, a.windows, out["bf16_matmul_TFLOP_s"], a.profile, a.only,
+                       a.plan_log and read_plan(a.plan_log, shapes[name]), a.compile_mode, a.graph_per_signature,
+                       a.adam, a.recompute_every, progress)
         print(json.dumps(out, indent=1))
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
         return
     smol = load_model(a.teacher, "cuda")
     out["SmolLM2-135M"] = bench_model("SmolLM2-135M", smol.cfg, smol, (8, 32), (8, 16), a.iters, keep_activations=True)
