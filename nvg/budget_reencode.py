@@ -220,7 +220,7 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
         encode_body(raised, "budget_reencode (fill)", {n: rows[n]["paths"] for n in raised})
         after = sum(8 * codec.payload_nbytes(r["paths"], r["rank"], *shapes[n]) for n, r in rows.items() if n in shapes)
         weights = sum(o * i for o, i in shapes.values())
-        print(f"budget_reencode: encode.fill after encode.paths auto's choices: {len(raised)} linears a rank step up, "
+        print(f"budget_reencode: encode.fill after encode.paths auto's choices: {len(raised)} linears raised, "
               f"body {before / weights:.4f} → {after / weights:.4f} bpw", file=sys.stderr)
     base = s_cmf or t_cmf
     tensors = []
