@@ -222,6 +222,24 @@ def test_every_gpu_recipe_kept_in_bench_is_a_valid_config(files):
     assert config_error(config, SCHEMA, list(files)) is None
 
 
+GPU_RECIPE_OVERLAYS = ("live_uv_bsigns_wide", "hidden03", "manuals30", "embedding_lr01", "batch64", "epochs12", "fill",
+                      "cuda_graphs", "recompute0", "ends2")
+
+
+def test_the_gpu_recipe_file_is_the_readmes_overlays_merged():
+    """bench/gpu_recipe.yaml, the README's one file for the GPU recipe, holds exactly base.yaml and the measured
+    overlays merged in order (less base.yaml's device teacher), so the two cannot drift apart."""
+    merged = yaml.safe_load((REPO / "bench/ablation/base.yaml").read_text())
+    for name in GPU_RECIPE_OVERLAYS:
+        merged = overlaid(merged, yaml.safe_load((REPO / f"bench/ablation/{name}.yaml").read_text()))
+    del merged["teacher"]
+    recipe = yaml.safe_load((REPO / "bench/gpu_recipe.yaml").read_text())
+    assert recipe == merged
+    assert config_error(overlaid(DEFAULT_CONFIG, recipe), SCHEMA, ["bench/gpu_recipe.yaml"]) is None
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "--configfile bench/gpu_recipe.yaml" in readme
+
+
 def test_train_gpus_must_divide_the_batch():
     config = json.loads(json.dumps(DEFAULT_CONFIG))
     config["train"].update(gpus=3, batch=4)
