@@ -189,15 +189,15 @@ class Distiller:
             if self.teacher is None:
                 hidden = self.model.hidden(ids, recompute)
                 t_ids, t_logp = self._targets(rows)
-                return topk_kl(hidden, self.model.head_weight, t_ids, t_logp, self.tail) / ids.numel()
+                return topk_kl(hidden, self.model.logits_head(), t_ids, t_logp, self.tail) / ids.numel()
             t_res = self._teacher(rows, ids)
             with torch.no_grad():
                 t_hidden = self.teacher.model.norm(t_res[-1]) if self.hidden_weight > 0 else t_res[0]
             if not (training and self.hidden_weight > 0):
                 hidden = self.model.hidden(ids, recompute)
-                return full_kl(hidden, self.model.head_weight, t_hidden, self.teacher.head_weight) / ids.numel()
+                return full_kl(hidden, self.model.logits_head(), t_hidden, self.teacher.logits_head()) / ids.numel()
             res = list(self.model.residuals(ids, recompute))
-            kl = full_kl(self.model.model.norm(res[-1]), self.model.head_weight, t_hidden, self.teacher.head_weight)
+            kl = full_kl(self.model.model.norm(res[-1]), self.model.logits_head(), t_hidden, self.teacher.logits_head())
             return kl / ids.numel() + self.hidden_weight * self.hidden_factor * hidden_mse(res, t_res)
 
     def step(self, rows, opt, lr_factor: float, gscale: float, *, lr: float, clip: float) -> dict:

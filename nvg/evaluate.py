@@ -79,10 +79,10 @@ def teacher_pass(teacher, sets: list[ScoredSet], settings: EvalSettings, device,
             ids = torch.from_numpy(st.windows[s : s + settings.batch]).to(device)
             with autocast(device, settings.precision):
                 h = teacher.hidden(ids)
-                acc["nll"] += float(next_token_nll(h[:, :-1], teacher.head_weight, ids[:, 1:]))
+                acc["nll"] += float(next_token_nll(h[:, :-1], teacher.logits_head(), ids[:, 1:]))
                 acc["agree"] += ids.numel()  # against itself: KL 0 and full agreement by definition
-                top = topk_logprobs(h, teacher.head_weight, k)
-                acc["kl_topk"] += float(topk_kl(h, teacher.head_weight, *top))
+                top = topk_logprobs(h, teacher.logits_head(), k)
+                acc["kl_topk"] += float(topk_kl(h, teacher.logits_head(), *top))
                 st.tail += float((1 - top[1].exp().sum(-1)).clamp_min(0).sum())
             st.t_hidden.append(h)
             st.t_topk.append(top)
@@ -97,11 +97,11 @@ def student_pass(name: str, student, t_head, sets: list[ScoredSet], settings: Ev
             ids = torch.from_numpy(st.windows[s : s + settings.batch]).to(device)
             with autocast(device, settings.precision):
                 h = student.hidden(ids)
-                nll, kl, agree = student_scores(st.t_hidden[j], h, t_head, student.head_weight, ids)
+                nll, kl, agree = student_scores(st.t_hidden[j], h, t_head, student.logits_head(), ids)
                 acc["nll"] += float(nll)
                 acc["kl_full"] += float(kl)
                 acc["agree"] += agree
-                acc["kl_topk"] += float(topk_kl(h, student.head_weight, *st.t_topk[j]))
+                acc["kl_topk"] += float(topk_kl(h, student.logits_head(), *st.t_topk[j]))
 
 
 def summary(st: ScoredSet, k: int) -> dict:
@@ -174,7 +174,8 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, k: int, out: 
     # one model in memory at a time: the teacher, then each student against its cached hidden states
     teacher = compile_blocks(load_model(cmfs["teacher"], device))
     teacher_pass(teacher, sets, settings, device, k)
-    t_head = teacher.head_weight
+    with autocast(device, settings.precision):
+        t_head = teacher.logits_head()  # the students' passes take it in their compute dtype
     del teacher
     for name in students:
         student = compile_blocks(load_model(cmfs[name], device))

@@ -19,7 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-DEFAULT_CHUNK = 4096  # tokens per LM-head block: 4096 × 49152 × 4 B = 0.8 GB on the GPU
+GPU_CHUNK = 4096  # tokens per LM-head block on CUDA: 4096 × 49152 × 4 B = 0.8 GB
+# On the CPU: the default job's [256, 49152] float32 blocks were fresh 50 MB allocations that each pass faulted into
+# memory anew; at 128 tokens (25 MB) the KL's passes reuse freed memory, and the job's step took 1.10-1.16 s against
+# 1.23-1.26 s at 256 (chunks of 64 and 32 lay between: docs/benchmarks.md, session 58).
+CPU_CHUNK = 128
+
+
+def _chunk(x: torch.Tensor, chunk: int | None) -> int:
+    return chunk or (GPU_CHUNK if x.is_cuda else CPU_CHUNK)
 TOPK_BLOCK = 128  # vocabulary entries per block of the two-stage top-k
 
 _compiled: dict = {}
@@ -75,10 +83,11 @@ def _topk_block(h, head, k: int):
 
 
 @torch.no_grad()
-def topk_logprobs(hidden: torch.Tensor, head: torch.Tensor, k: int, chunk: int = DEFAULT_CHUNK):
+def topk_logprobs(hidden: torch.Tensor, head: torch.Tensor, k: int, chunk: int | None = None):
     """Per token the top-k ids (int32) and their log-probs over the full vocabulary (float32)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     block = _on_device(_topk_block, h)
+    chunk = _chunk(h, chunk)
     ids, logp = zip(*(block(h[s : s + chunk], head, k) for s in range(0, h.shape[0], chunk)))
     return torch.cat(ids).view(*hidden.shape[:-1], k), torch.cat(logp).view(*hidden.shape[:-1], k)
 
@@ -97,13 +106,14 @@ def _kl_block(h, head, t_ids, t_logp, tail: bool):
     return (q * (t_logp - log_ps)).sum() + (q_tail * (q_tail.log() - p_tail.log())).sum()
 
 
-def topk_kl(hidden, head, t_ids, t_logp, tail: bool = False, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def topk_kl(hidden, head, t_ids, t_logp, tail: bool = False, chunk: int | None = None) -> torch.Tensor:
     """Sum over tokens of KL(teacher top-k ‖ student); differentiable, chunked (checkpointed on CUDA)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     ids = t_ids.reshape(-1, t_ids.shape[-1])
     lp = t_logp.reshape(-1, t_logp.shape[-1])
     total = hidden.new_zeros((), dtype=torch.float32)
     block = _on_device(_kl_block, h)
+    chunk = _chunk(h, chunk)
     for s in range(0, h.shape[0], chunk):
         total = total + _differentiable(block, (h[s : s + chunk], head, ids[s : s + chunk], lp[s : s + chunk], tail), h, head)
     return total
@@ -115,7 +125,7 @@ def _full_kl_block(h, head, t_h, t_head):
     return (log_pt.exp() * (log_pt - log_ps)).sum()
 
 
-def full_kl(hidden, head, t_hidden, t_head, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def full_kl(hidden, head, t_hidden, t_head, chunk: int | None = None) -> torch.Tensor:
     """Sum over tokens of KL(teacher ‖ student) over the whole vocabulary, from both models' final
     hidden states (the live teacher's, without gradient); differentiable, chunked, on CUDA with checkpointing:
     backward recomputes both chunks' logits instead of keeping two [tokens, vocab] float32 blocks."""
@@ -123,6 +133,7 @@ def full_kl(hidden, head, t_hidden, t_head, chunk: int = DEFAULT_CHUNK) -> torch
     t_h = t_hidden.reshape(-1, t_hidden.shape[-1]).detach()
     total = hidden.new_zeros((), dtype=torch.float32)
     block = _on_device(_full_kl_block, h)
+    chunk = _chunk(h, chunk)
     for s in range(0, h.shape[0], chunk):
         total = total + _differentiable(block, (h[s : s + chunk], head, t_h[s : s + chunk], t_head), h, head)
     return total
@@ -146,11 +157,12 @@ def hidden_mse(residuals, t_residuals) -> torch.Tensor:
 
 
 @torch.no_grad()
-def next_token_nll(hidden, head, targets, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def next_token_nll(hidden, head, targets, chunk: int | None = None) -> torch.Tensor:
     """Sum of −log p(next token): hidden [.., t, H] predicts targets [.., t] (already shifted)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1)
     total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    chunk = _chunk(h, chunk)
     for s in range(0, h.shape[0], chunk):
         z = _logits(h[s : s + chunk], head)
         total += F.cross_entropy(z, y[s : s + chunk].long(), reduction="sum").double()
@@ -158,7 +170,7 @@ def next_token_nll(hidden, head, targets, chunk: int = DEFAULT_CHUNK) -> torch.T
 
 
 @torch.no_grad()
-def student_scores(t_hidden, s_hidden, t_head, s_head, ids, chunk: int = DEFAULT_CHUNK):
+def student_scores(t_hidden, s_hidden, t_head, s_head, ids, chunk: int | None = None):
     """(Σ −log p(next token), Σ full-vocabulary KL(teacher ‖ student), tokens whose argmax agrees) of a
     student against the teacher on `ids` [b, t], from one log-softmax of each model per chunk (the
     last position of a window predicts nothing and counts in the KL only)."""
@@ -168,6 +180,7 @@ def student_scores(t_hidden, s_hidden, t_head, s_head, ids, chunk: int = DEFAULT
     nll = torch.zeros((), dtype=torch.float64, device=t_hidden.device)
     kl = torch.zeros((), dtype=torch.float64, device=t_hidden.device)
     agree = 0
+    chunk = _chunk(th, chunk)
     for s in range(0, th.shape[0], chunk):
         lt = torch.log_softmax(_logits(th[s : s + chunk], t_head), -1)
         ls = torch.log_softmax(_logits(sh[s : s + chunk], s_head), -1)

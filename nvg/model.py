@@ -341,6 +341,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.model = body
         self.cuda_graph_passes = False  # compile_blocks sets it when the blocks replay CUDA graphs
+        self._logits_head: tuple | None = None  # (frozen head, its version, its autocast-dtype copy): `logits_head`
         if lm_head is not None:
             self.lm_head = BlrVocab(lm_head) if isinstance(lm_head, blr_codec.BlrTensor) else DenseLinear(lm_head)
 
@@ -348,6 +349,21 @@ class Llama(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the LM head (the embedding when tied)."""
         return self.lm_head.weight if hasattr(self, "lm_head") else self.model.embed_tokens.weight
+
+    def logits_head(self) -> torch.Tensor:
+        """`head_weight` as the logits GEMM takes it under autocast. A frozen head (a teacher's; a student's f16
+        embedding unless train.embedding_lr trains it) is cast to autocast's dtype once and kept, not in every
+        call: each cast of SmolLM2's 49152 × 576 head took 20-70 ms of the CPU default job's 1.3 s step, twice a
+        step (docs/benchmarks.md, session 58). A trained or rebuilt head (group-scaled: a new tensor each call)
+        is returned as it is."""
+        w = self.head_weight
+        if w.requires_grad or not isinstance(w, nn.Parameter) or not torch.is_autocast_enabled(w.device.type):
+            return w
+        dtype = torch.get_autocast_dtype(w.device.type)
+        kept = self._logits_head
+        if kept is None or kept[0] is not w or kept[1] != w._version or kept[2].dtype != dtype or kept[2].device != w.device:
+            kept = self._logits_head = (w, w._version, w.detach().to(dtype))
+        return kept[2]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings in the compute dtype (autocast's when it is on)."""

@@ -154,3 +154,22 @@ def test_auto_puts_each_shard_on_its_own_gpu_and_other_stages_on_the_current_one
         pick_device("cuda:3")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pick_device("auto", 1) == torch.device("cpu")
+
+
+def test_a_frozen_head_is_cast_once_and_a_trained_one_every_time(tiny_cmf):
+    """`logits_head`: under autocast a frozen head (a teacher's, an untrained f16 embedding) is cast to bf16 once and
+    the same copy serves every call until the head changes; outside autocast, and for a trained head, it is the
+    parameter itself."""
+    model = load_model(read_cmf(tiny_cmf), "cpu")
+    w = model.head_weight
+    assert model.logits_head() is w  # no autocast: the GEMM takes the parameter
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = model.logits_head()
+        assert first.dtype == torch.bfloat16 and torch.equal(first, w.to(torch.bfloat16))
+        assert model.logits_head() is first
+        with torch.no_grad():
+            w.mul_(2.0)  # changed in place: its version moves, so the copy is made again
+        again = model.logits_head()
+        assert again is not first and torch.equal(again, w.to(torch.bfloat16))
+        w.requires_grad_(True)  # trained (train.embedding_lr): its own value every call, with its gradient
+        assert model.logits_head() is w
