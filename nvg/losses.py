@@ -24,13 +24,14 @@ GPU_CHUNK = 4096  # tokens per LM-head block on CUDA: 4096 × 49152 × 4 B = 0.8
 # memory anew; at 128 tokens (25 MB) the KL's passes reuse freed memory, and the job's step took 1.10-1.16 s against
 # 1.23-1.26 s at 256 (chunks of 64 and 32 lay between: docs/benchmarks.md, session 58).
 CPU_CHUNK = 128
-
-
-def _chunk(x: torch.Tensor, chunk: int | None) -> int:
-    return chunk or (GPU_CHUNK if x.is_cuda else CPU_CHUNK)
 TOPK_BLOCK = 128  # vocabulary entries per block of the two-stage top-k
 
 _compiled: dict = {}
+
+
+def _chunk(x: torch.Tensor, chunk: int | None) -> int:
+    """`chunk` tokens per LM-head block where given, else the device's."""
+    return chunk or (GPU_CHUNK if x.is_cuda else CPU_CHUNK)
 
 
 def _on_device(fn, x: torch.Tensor):
