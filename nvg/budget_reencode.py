@@ -215,13 +215,12 @@ def main(teacher: Path, grams: Path, out: Path, report: Path, settings: EncodeSe
         chosen = {n: (budgets[n], rows[n]["paths"]) for n in body}
         refilled = filled_budgets(given, shapes, settings.paths, chosen)
         raised = [n for n in body if codec.max_rank(refilled[n], rows[n]["paths"], *shapes[n]) > rows[n]["rank"]]
-        before = sum(8 * codec.payload_nbytes(r["paths"], r["rank"], *shapes[n]) for n, r in rows.items() if n in shapes)
+        body_bpw = lambda: sum(rows[n]["bpw"] * o * i for n, (o, i) in shapes.items()) / sum(o * i for o, i in shapes.values())  # noqa: E731
+        before = body_bpw()
         budgets.update(refilled)
         encode_body(raised, "budget_reencode (fill)", {n: rows[n]["paths"] for n in raised})
-        after = sum(8 * codec.payload_nbytes(r["paths"], r["rank"], *shapes[n]) for n, r in rows.items() if n in shapes)
-        weights = sum(o * i for o, i in shapes.values())
         print(f"budget_reencode: encode.fill after encode.paths auto's choices: {len(raised)} linears raised, "
-              f"body {before / weights:.4f} → {after / weights:.4f} bpw", file=sys.stderr)
+              f"body {before:.4f} → {body_bpw():.4f} bpw", file=sys.stderr)
     base = s_cmf or t_cmf
     tensors = []
     for name, t in base.tensors.items():

@@ -39,7 +39,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
     while len(ids) < limit:
         with autocast(device, "bf16"):
             h = model.decode(step, pos)[:, -1]
-            logits = (h @ model.head_weight.to(h.dtype).T).float().cpu()[0]
+            logits = (h @ model.logits_head().to(h.dtype).T).float().cpu()[0]  # a frozen head cast once, not per token
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:
