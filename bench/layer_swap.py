@@ -1,11 +1,14 @@
 """How much of a student's distance to its teacher one block holds: the full-vocabulary KL(teacher ‖ student) per
 token with block L replaced by the teacher's own (dense) block, for every L, on the held-out windows and on each
 out-of-domain text; also with every block replaced ("all": the student's embedding, head and final norm alone).
+With `--by role` the unit is a role instead (q, k, v, o, gate, up, down): its linear in every block replaced by the
+teacher's, and each gain also per million of the role's weights, where a bit spent buys the most (a plan's tensor lines
+move bits between roles at an equal body).
 A block made exact is the most that more bits in it could buy, if the other blocks stayed as they are; a trained
 student's blocks have adapted to each other's errors, so a swap can also cost. Before training (the encoded or
 reconstructed student) the gains say where the encoder's error sits.
     python bench/layer_swap.py --teacher results/teacher.cmf --student results/model.cmf \\
-        --windows results/data/windows.h5 --ood python-docs --ood-tokens 4096 --out swap.json
+        --windows results/data/windows.h5 --ood python-docs --ood-tokens 4096 [--by role] --out swap.json
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 
 import torch
 
+from nvg.layout import BODY_ROLES
 from nvg.losses import student_scores
 from nvg.model import autocast
 from scored_texts import parsed_arguments, teacher_student_and_texts
@@ -34,8 +38,15 @@ def kl_per_token(teacher, student, sets: dict, t_hidden: dict, device, precision
     return out
 
 
+def role_slot(block, role: str) -> tuple[torch.nn.Module, str]:
+    """(the module holding `block`'s linear of `role`, its attribute name)."""
+    parent, attr = BODY_ROLES[role].split(".")
+    return getattr(block, parent), attr
+
+
 def main():
-    a = parsed_arguments(__doc__.splitlines()[0], ood=["python-docs"], ood_tokens=4096, batch=8)
+    a = parsed_arguments(__doc__.splitlines()[0], ood=["python-docs"], ood_tokens=4096, batch=8,
+                         extra=lambda ap: ap.add_argument("--by", choices=("block", "role"), default="block"))
     teacher, student, sets, device = teacher_student_and_texts(a)
     t_hidden = {}
     with torch.no_grad(), autocast(device, a.precision):
@@ -46,11 +57,27 @@ def main():
     blocks = student.model.layers
     report = {"none": score()}
     print("none:", report["none"], flush=True)
-    for i in range(len(blocks)):
-        own, blocks[i] = blocks[i], teacher.model.layers[i]
-        report[str(i)] = score()
-        blocks[i] = own
-        print(f"block {i}:", {k: f"{v / report['none'][k] - 1:+.2%}" for k, v in report[str(i)].items()}, flush=True)
+    if a.by == "role":
+        for role in BODY_ROLES:
+            slots = [role_slot(b, role) for b in blocks]
+            own = [getattr(m, attr) for m, attr in slots]
+            donors = [getattr(*role_slot(t, role)) for t in teacher.model.layers]
+            for (m, attr), linear in zip(slots, donors):
+                setattr(m, attr, linear)
+            kl = score()
+            for (m, attr), linear in zip(slots, own):
+                setattr(m, attr, linear)
+            weights = sum(d.weight.numel() for d in donors)
+            gain = {k: 1 - v / report["none"][k] for k, v in kl.items()}
+            report[role] = {"kl": kl, "weights": weights, "gain_per_million": {k: g / weights * 1e6 for k, g in gain.items()}}
+            print(f"{role} ({weights / 1e6:.2f}M weights):", {k: f"{-g:+.2%}" for k, g in gain.items()},
+                  "per million:", {k: f"{-g / weights * 1e6:+.2%}" for k, g in gain.items()}, flush=True)
+    else:
+        for i in range(len(blocks)):
+            own, blocks[i] = blocks[i], teacher.model.layers[i]
+            report[str(i)] = score()
+            blocks[i] = own
+            print(f"block {i}:", {k: f"{v / report['none'][k] - 1:+.2%}" for k, v in report[str(i)].items()}, flush=True)
     for i in range(len(blocks)):  # last: the student is not used after this
         blocks[i] = teacher.model.layers[i]
     report["all"] = score()

@@ -15,9 +15,12 @@ from nvg.sources import ChatRenderer, source_tokens
 from nvg.tokenizer import cmf_tokenizer
 
 
-def parsed_arguments(description: str, ood: list[str], ood_tokens: int, batch: int) -> argparse.Namespace:
-    """The command line both scripts take: teacher, student, windows, the unseen texts, batch, device, precision, out."""
+def parsed_arguments(description: str, ood: list[str], ood_tokens: int, batch: int, extra=None) -> argparse.Namespace:
+    """The command line both scripts take: teacher, student, windows, the unseen texts, batch, device, precision, out;
+    `extra(parser)` adds a script's own."""
     ap = argparse.ArgumentParser(description=description)
+    if extra is not None:
+        extra(ap)
     ap.add_argument("--teacher", required=True)
     ap.add_argument("--student", required=True)
     ap.add_argument("--windows", required=True, help="windows.h5: its held-out rows are scored")

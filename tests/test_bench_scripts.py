@@ -91,6 +91,31 @@ def test_layer_swap_gives_the_teacher_back_with_every_block_swapped(stage_inputs
             assert report[b][label] != pytest.approx(kl, rel=1e-6) and report[b][label] > 1e-5
 
 
+def test_layer_swap_by_role_moves_each_role_and_puts_the_student_back(stage_inputs, tiny_corpus, tmp_path):
+    """With --by role each role's linears in every block are the teacher's at once: every role moves the KL, by its
+    own weights' count, and the student is put back between roles (every block swapped still gives the teacher)."""
+    d, essay = stage_inputs, str(tiny_corpus / "essay.txt")
+    out = tmp_path / "swap.json"
+    run_bench("layer_swap.py", "--teacher", d / "teacher.cmf", "--student", d / "student.cmf", "--windows",
+              d / "windows.h5", "--ood", essay, "--ood-tokens", 512, "--device", "cpu", "--precision", "fp32",
+              "--by", "role", "--out", out)
+    report = json.loads(out.read_text())
+    from nvg.cmf import read_cmf
+    from nvg.layout import BODY_ROLES, parse_body_linear
+
+    teacher = read_cmf(d / "teacher.cmf")
+    assert list(report) == ["none", *BODY_ROLES, "all"]
+    for role in BODY_ROLES:
+        weights = sum(math.prod(t.shape) for n, t in teacher.tensors.items() if (parse_body_linear(n) or (0, ""))[1] == role)
+        assert report[role]["weights"] == weights
+        for label, kl in report["none"].items():
+            gain = 1 - report[role]["kl"][label] / kl
+            assert report[role]["kl"][label] != pytest.approx(kl, rel=1e-6)
+            assert report[role]["gain_per_million"][label] == pytest.approx(gain / weights * 1e6)
+    for label in report["none"]:
+        assert report["all"][label] == pytest.approx(0.0, abs=1e-5)
+
+
 def test_topk_mass_outside_the_top_k_shrinks_as_k_grows(tiny_cmf, tiny_corpus):
     essay = str(tiny_corpus / "essay.txt")
     report = json.loads(run_bench("topk_mass.py", "--teacher", tiny_cmf, "--source", essay, "--k", 2, "--k", 8,
