@@ -42,13 +42,14 @@ from nvg.model import autocast
 TEACHER_MEMO_BYTES = 2 << 30
 
 
-def lr_shape(step: int, total: int) -> float:
-    """Linear warm-up over max(1, total/50) steps, then cosine to zero at `total`."""
+def lr_shape(step: int, total: int, decay: str = "cosine") -> float:
+    """Linear warm-up over max(1, total/50) steps, then `decay` to zero at `total`: cosine, or linear (straight to
+    zero, which at the same peak spends more of the run at a middling rate and less near zero)."""
     warm = max(1, total // 50)
     if step <= warm:
         return step / warm
     progress = min(1.0, (step - warm) / max(1, total - warm))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def trainable(model, train_group_scales: bool = True, train_dense_vocab: bool = False) -> dict[str, torch.nn.Parameter]:

@@ -4,7 +4,7 @@ embedding or LM head is group-scaled (q8_row, q4_block, q4tp, q2tp), their group
 `embedding_lr`, a dense (f16) embedding and LM head whole.
 
 setup → fit → finish. The loss and the optimizer step are `nvg/distill.py`'s: KL to the teacher's
-top-k, Adam (0.9, 0.999, 1e-8; with `lr_relative` each tensor's step is scaled by its starting RMS), linear warm-up over max(1, steps/50) then cosine to zero over the
+top-k, Adam (0.9, 0.999, 1e-8; with `lr_relative` each tensor's step is scaled by its starting RMS), linear warm-up over max(1, steps/50) then cosine (or, `lr_decay: linear`, straight) to zero over the
 whole run (even when `stop_after` ends it early; with `hidden_decay` the live teacher's hidden-state term
 follows the same shape), global-norm clipping, bf16 autocast (fp16 mode:
 dynamic gradient scale from 4096, halved on a non-finite step); a non-finite step is skipped, counted
@@ -61,6 +61,7 @@ class TrainSettings:
     batch: int
     lr: float
     lr_relative: bool
+    lr_decay: str
     group_scale_lr: float
     group_code_lr: float
     embedding_lr: float
@@ -291,7 +292,7 @@ def _fit(run: Run, signals: list[int]) -> None:
             rows = list(range(order[pos] * s.batch, (order[pos] + 1) * s.batch))
             if pos + 1 < run.n_batches:
                 d.prefetch(range(order[pos + 1] * s.batch, (order[pos + 1] + 1) * s.batch))
-            result = d.step(rows, run.opt, lr_shape(st.done + 1, run.total), st.gscale, lr=s.lr, clip=s.clip)
+            result = d.step(rows, run.opt, lr_shape(st.done + 1, run.total, s.lr_decay), st.gscale, lr=s.lr, clip=s.clip)
             loss, gn = result["loss"], result["grad_norm"]
             st.epoch, st.pos = epoch, pos + 1
             if result["skipped"]:

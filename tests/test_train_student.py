@@ -33,6 +33,18 @@ def test_schedule_warms_up_then_cosines_to_zero():
     assert lr_shape(1, 10) == 1.0  # warm-up is max(1, steps/50)
 
 
+def test_schedule_with_lr_decay_linear_falls_straight_to_zero():
+    """The same warm-up, then a straight line to zero at the last step: below the cosine in the decay's first half,
+    above it in its second."""
+    total = 100
+    assert lr_shape(1, total, "linear") == 0.5 and lr_shape(2, total, "linear") == 1.0
+    assert lr_shape(51, total, "linear") == pytest.approx(0.5, abs=0.02)
+    assert lr_shape(20, total, "linear") < lr_shape(20, total) and lr_shape(80, total, "linear") > lr_shape(80, total)
+    assert lr_shape(100, total, "linear") == 0.0
+    steps = [lr_shape(k, total, "linear") for k in range(2, 101)]
+    assert all(a - b == pytest.approx(1 / 98) for a, b in zip(steps, steps[1:]))
+
+
 def test_only_scales_and_norm_gains_train(stage_inputs):
     names = sorted(trainable(load_model(stage_inputs / "student.cmf")))
     assert names and all(n.endswith((".h", ".ell", ".g", "norm.weight")) for n in names)
