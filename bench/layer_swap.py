@@ -69,9 +69,10 @@ def main():
                 setattr(m, attr, linear)
             weights = sum(d.weight.numel() for d in donors)
             gain = {k: 1 - v / report["none"][k] for k, v in kl.items()}
-            report[role] = {"kl": kl, "weights": weights, "gain_per_million": {k: g / weights * 1e6 for k, g in gain.items()}}
-            print(f"{role} ({weights / 1e6:.2f}M weights):", {k: f"{-g:+.2%}" for k, g in gain.items()},
-                  "per million:", {k: f"{-g / weights * 1e6:+.2%}" for k, g in gain.items()}, flush=True)
+            per_million = {k: g / weights * 1e6 for k, g in gain.items()}
+            report[role] = {"kl": kl, "weights": weights, "gain_per_million": per_million}
+            print(f"{role} ({weights / 1e6:.2f}M weights): KL", {k: f"{-g:+.2%}" for k, g in gain.items()},
+                  "per million:", {k: f"{-g:+.2%}" for k, g in per_million.items()}, flush=True)
     else:
         for i in range(len(blocks)):
             own, blocks[i] = blocks[i], teacher.model.layers[i]
