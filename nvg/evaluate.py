@@ -33,7 +33,7 @@ from nvg.cmf import read_verified
 from nvg.errors import NvgError, exits_cleanly
 from nvg.layout import bits_summary
 from nvg.losses import next_token_nll, student_scores, topk_kl, topk_logprobs
-from nvg.model import autocast, compile_blocks, computing_in, load_model, pick_device
+from nvg.model import autocast, computing_in, load_model, pick_device
 from nvg.progress import bar
 from nvg.settings import SETTINGS_HELP, load
 from nvg.sources import ChatRenderer, source_tokens
@@ -171,14 +171,17 @@ def main(teacher: Path, encoded: Path, final: Path, windows: Path, k: int, out: 
             if len(ood) == 0:
                 raise NvgError(f"{source}: fewer than one {window}-token window of out-of-domain text")
             sets.append(ScoredSet(source, ood))
-    # one model in memory at a time: the teacher, then each student against its cached hidden states
-    teacher = compile_blocks(load_model(cmfs["teacher"], device))
+    # One model in memory at a time: the teacher, then each student against its cached hidden states. Every model
+    # runs eager, on CUDA too: each passes over the sets once (about 100k tokens in the GPU recipe), where compiling
+    # the blocks of four models, one compile per block signature (several in a student under ends_factor and
+    # paths auto), cost more than the passes save (evaluate took 43 s in session 60's run).
+    teacher = load_model(cmfs["teacher"], device)
     teacher_pass(teacher, sets, settings, device, k)
     with autocast(device, settings.precision):
         t_head = teacher.logits_head()  # the students' passes take it in their compute dtype
     del teacher
     for name in students:
-        student = compile_blocks(load_model(cmfs[name], device))
+        student = load_model(cmfs[name], device)
         student_pass(name, student, t_head, sets, settings, device)
         del student
     report = {"heldout": summary(pooled("held-out", list(held_out.values())), k)}
