@@ -1,8 +1,8 @@
-"""What the decoding step's compile costs on a GPU, cold, in the decoder as generate_corpus runs it, against the
-step as it was before session 26 (the cache length passed as an int: dynamo compiled it as a constant for the
-first KV bucket, then again as a symbol for the others). A random SmolLM2-135M-shaped model (compile time and
-step time depend on the shapes, not the weights), `--batch` sequences of `--length` tokens, both decoders
-compiled from an empty inductor cache in one process; one JSON line per decoder: the seconds of the first
+"""What the decoding step's compile costs on a GPU, cold, in the decoder as generate_corpus runs it (its blocks compiled,
+the step captured as a CUDA graph per cache bucket; session 61), against the decoder before it (the whole step compiled
+by inductor in one graph with its CUDA graphs: about 70 s of each corpus shard). A random SmolLM2-135M-shaped model
+(compile time and step time depend on the shapes, not the weights), `--batch` sequences of `--length` tokens, both
+decoders compiled from an empty inductor cache in one process; one JSON line per decoder: the seconds of the first
 step of each bucket (the first holds the compile; a recompile shows in a later one), the whole cold batch's
 seconds, and the tokens/s of a second, warm batch.
 
@@ -22,12 +22,25 @@ from nvg.decoding import Decoder, sample
 from nvg.model import autocast, build_model
 
 
-class IntLengthDecoder(Decoder):
-    """The baseline: the decoder before session 26, which gave its compiled step the cache length as an int."""
+class WholeStepDecoder(Decoder):
+    """The baseline: the decoder before session 61, which compiled the whole step (every block, the head and the
+    draw) as one inductor graph and let inductor capture it as a CUDA graph."""
 
-    def _step(self, ids, pos, greedy, kv_len: int):
+    def __init__(self, model, batch, max_len, device, precision, temperature=1.0, top_k=0, top_p=1.0):
+        self.model, self.device, self.precision = model, device, precision
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.batch, self.max_len = batch, max_len
+        model.setup_cache(batch, max_len, torch.bfloat16)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.greedy = torch.zeros((), dtype=torch.bool, device=device)
+        self.kv_positions = torch.arange(max_len, device=device)
+        torch.compiler.reset()
+        self.step = torch.compile(self._whole_step, fullgraph=True,
+                                  options={**decoding.COMPILE_OPTIONS, "triton.cudagraphs": True})
+
+    def _whole_step(self, ids, pos, greedy, kv_window):
         with autocast(self.device, self.precision):
-            h = self.model.decode(ids[:, None], pos, kv_len)[:, -1]
+            h = self.model.decode(ids[:, None], pos, kv_window)[:, -1]
             logits = F.linear(h, self.model.head_weight.to(h.dtype)).float()
         return torch.where(greedy, logits.argmax(-1), sample(logits, self.temperature, self.top_k, self.top_p))
 
@@ -35,8 +48,9 @@ class IntLengthDecoder(Decoder):
     def next_ids(self, ids, pos, greedy):
         self.pos.fill_(pos)
         self.greedy.fill_(greedy)
-        kv_len = min(self.max_len, (pos // decoding.KV_BUCKET + 1) * decoding.KV_BUCKET)
-        return self.step(ids, self.pos, self.greedy, kv_len).clone()
+        kv_window = self.kv_positions[: min(self.max_len, (pos // decoding.KV_BUCKET + 1) * decoding.KV_BUCKET)]
+        torch._dynamo.mark_dynamic(kv_window, 0)
+        return self.step(ids, self.pos, self.greedy, kv_window).clone()
 
 
 def one_batch(decoder: Decoder, batch: int, length: int) -> tuple[float, dict]:
@@ -61,17 +75,17 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--length", type=int, default=1024)
-    ap.add_argument("--decoders", nargs="+", default=["nvg", "int-length"], choices=["nvg", "int-length"])
+    ap.add_argument("--decoders", nargs="+", default=["nvg", "whole-step"], choices=["nvg", "whole-step"])
     a = ap.parse_args()
     torch.manual_seed(0)
     hf = hf_model(SMOLLM2_135M, None)
     dense = {n: p.detach().float().cpu() for n, p in hf.state_dict().items() if n != "lm_head.weight"}
     hf = None
-    model = build_model(SMOLLM2_135M, dense.get).cuda()
     for name in a.decoders:
+        model = build_model(SMOLLM2_135M, dense.get).cuda()  # its own: the nvg decoder compiles the model's blocks
         torch._dynamo.reset()
         with torch._inductor.config.patch(force_disable_caches=True):  # a cold compile, as on a fresh machine
-            cls = Decoder if name == "nvg" else IntLengthDecoder
+            cls = Decoder if name == "nvg" else WholeStepDecoder
             decoder = cls(model, a.batch, a.length, torch.device("cuda"), "bf16", temperature=1.0)
             cold, marks = one_batch(decoder, a.batch, a.length)
             warm, _ = one_batch(decoder, a.batch, a.length)
@@ -82,7 +96,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")
-        decoder = None
+        decoder = model = None
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
 """Batched decoding with a static KV cache: what `generate_corpus` samples the teacher with.
 
-Every step feeds one token per sequence at one shared position, so all shapes stay fixed. On CUDA the
-step (the model, the LM head and the draw) is compiled with inductor in "reduce-overhead" mode
-(deterministically, see COMPILE_OPTIONS): captured as a CUDA graph and replayed, so a step costs one launch instead of ~30 layers × a dozen
-kernels, which is what bounds small-model decoding. Two more things keep the step short:
-  * attention reads the cache only up to the next multiple of `KV_BUCKET` past the position (one graph
-    per bucket, all of them from one compile: the length is a dynamic size), not the whole `max_len`: at 1024
-    tokens that halves the cache traffic on average;
+Every step feeds one token per sequence at one shared position, so all shapes stay fixed. On CUDA each
+transformer block is compiled with inductor (regional compilation: the blocks share one graph, so the compile
+costs one block's, about a fifth of the whole step's; see COMPILE_OPTIONS for its determinism), and the whole step (the
+blocks, the LM head and the draw) is captured as a CUDA graph per cache bucket and replayed, so a step costs one
+launch instead of ~30 layers × a dozen kernels, which is what bounds small-model decoding. Two more things keep
+the step short:
+  * attention reads the cache only up to the next multiple of `KV_BUCKET` past the position (one CUDA graph
+    per bucket, all of them over one compile of the block: the length is a dynamic size), not the whole `max_len`:
+    at 1024 tokens that halves the cache traffic on average;
   * the draw is Gumbel-max inside the graph (argmax of logits/T + Gumbel noise samples the softmax
     exactly), so no [batch, vocab] tensor leaves the graph; top-k / top-p restrict it in the graph too
     (`sample`: top-k draws among the k largest logits only).
-On the CPU the same code runs eager, in float32. Draws use the global RNG: seed it with `torch.manual_seed`."""
+On the CPU the same code runs eager, in float32. Draws use the global RNG: seed it with `torch.manual_seed`
+(a CUDA graph's draws advance it as eager ones do, so one seed gives one corpus)."""
 
 from __future__ import annotations
 
@@ -22,14 +25,12 @@ from nvg.model import autocast
 
 KV_BUCKET = 256
 
-# "reduce-overhead" is this one option: the step is captured as a CUDA graph. "deterministic" (inductor of
-# torch >= 2.10) skips the on-device benchmarking whose winner can change a reduction's order: a cold
-# compile cache, or another machine, would otherwise round the logits differently, a near-tie would draw
-# another token, and everything after it in that sequence would differ. With it the same seed writes the
-# same corpus (four H200 sessions had written four corpora from one seed).
-COMPILE_OPTIONS = {"triton.cudagraphs": True}
-if hasattr(torch._inductor.config, "deterministic"):
-    COMPILE_OPTIONS["deterministic"] = True
+# "deterministic" (inductor of torch >= 2.10) skips the on-device benchmarking whose winner can change a reduction's
+# order: a cold compile cache, or another machine, would otherwise round the logits differently, a near-tie would draw
+# another token, and everything after it in that sequence would differ. With it the same seed writes the same corpus
+# (four H200 sessions had written four corpora from one seed). No "triton.cudagraphs": the Decoder captures the whole
+# step itself.
+COMPILE_OPTIONS = {"deterministic": True} if hasattr(torch._inductor.config, "deterministic") else {}
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -64,7 +65,7 @@ class Decoder:
 
     def __init__(self, model, batch: int, max_len: int, device: torch.device, precision: str,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, backend: str | None = None):
-        """`backend` compiles the step with torch.compile (default: inductor on CUDA, none on the CPU; the tests
+        """`backend` compiles the blocks with torch.compile (default: inductor on CUDA, none on the CPU; the tests
         pass a recording backend to see the graphs dynamo traces on the CPU)."""
         # On the CPU a step feeds one token per sequence, so bf16 autocast would cast every weight each step for
         # a few rows of work: the default job's 64 × 256 tokens took 111.8 s so, against 88.8 s in float32.
@@ -75,35 +76,58 @@ class Decoder:
         # the cache holds K/V in the compute dtype
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}
         model.setup_cache(batch, max_len, half.get(self.precision, torch.float32))
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)  # updated in place: a static graph input
+        # The step's inputs live in these: a CUDA graph replays on fixed addresses, so each step writes into them.
+        self.ids = torch.zeros(batch, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.greedy = torch.zeros((), dtype=torch.bool, device=device)
-        # The step reads the cache up to the length of the slice of this it is given: a tensor's size, marked dynamic,
-        # so the compile is symbolic in it from the first bucket on (an int is compiled as a constant first, then
-        # once more as a symbol: two compiles of about a minute each on the H200, where now one serves every bucket).
+        # The blocks read the cache up to the length of the slice of this they are given: a tensor's size, marked
+        # dynamic, so their compile is symbolic in it from the first bucket on (an int is compiled as a constant
+        # first, then once more as a symbol), and one compile serves every bucket.
         self.kv_positions = torch.arange(max_len, device=device)
-        self.step = self._step
         backend = backend or ("inductor" if device.type == "cuda" else None)
         if backend:
-            # Dynamo keeps one compile state per code object, shared by every Decoder in the process: traced again
-            # for a Decoder whose top_k differs from an earlier one's, it makes k a symbolic size, and inductor
-            # cannot split that top-k's reduction on CUDA ("CantSplit: 8 not divisible by 8*s3", session 20). A
-            # new Decoder is traced anew anyway (new cache and weights), so it starts from a clean state.
+            # A new Decoder is traced anew (new cache and weights), from a clean compile state.
             torch.compiler.reset()
             options = COMPILE_OPTIONS if backend == "inductor" else None
-            self.step = torch.compile(self._step, fullgraph=True, backend=backend, options=options)
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True, backend=backend, options=options)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # cache length → its step, captured
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
-    def _step(self, ids: torch.Tensor, pos: torch.Tensor, greedy: torch.Tensor, kv_window: torch.Tensor) -> torch.Tensor:
+    def _step(self, kv_window: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.precision):
-            h = self.model.decode(ids[:, None], pos, kv_window.shape[0])[:, -1]
-            logits = F.linear(h, self.model.head_weight.to(h.dtype)).float()
-        return torch.where(greedy, logits.argmax(-1), sample(logits, self.temperature, self.top_k, self.top_p))
+            h = self.model.decode(self.ids[:, None], self.pos, kv_window)[:, -1]
+            logits = F.linear(h, self.model.logits_head()).float()
+        return torch.where(self.greedy, logits.argmax(-1), sample(logits, self.temperature, self.top_k, self.top_p))
+
+    def _captured(self, kv_window: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The step at this cache length as a CUDA graph and its output buffer: run once on a side stream first
+        (the blocks compile at the first length; cuBLAS and Triton set up), then captured. That run writes this
+        position's keys and values as the replay will, and draws once: the replays' draws follow it, the same way
+        from one seed. The graphs share one memory pool: they replay one at a time, each after the one before."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._step(kv_window)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._step(kv_window)
+        return graph, out
 
     @torch.no_grad()
     def next_ids(self, ids: torch.Tensor, pos: int, greedy: bool) -> torch.Tensor:
         """The ids [b] that follow `ids` [b] fed at position `pos`: argmax when `greedy`, else drawn.
         A fresh tensor (a CUDA graph's output buffer is reused by its next replay)."""
+        self.ids.copy_(ids)
         self.pos.fill_(pos)
         self.greedy.fill_(greedy)
         kv_window = self.kv_positions[: min(self.max_len, (pos // KV_BUCKET + 1) * KV_BUCKET)]
         torch._dynamo.mark_dynamic(kv_window, 0)
-        return self.step(ids, self.pos, self.greedy, kv_window).clone()
+        if self.pool is None:
+            return self._step(kv_window)
+        if len(kv_window) not in self.graphs:
+            self.graphs[len(kv_window)] = self._captured(kv_window)
+        graph, out = self.graphs[len(kv_window)]
+        graph.replay()
+        return out.clone()

@@ -182,7 +182,7 @@ class KVCache(nn.Module):
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
         super().__init__()
         # one position more than a step ever reads: a slice [:kv_len] is then never the whole buffer, so it has one
-        # memory layout at every kv_len, and the compiled step is not compiled again for the last bucket (torch
+        # memory layout at every kv_len, and a compiled block is not compiled again for the last bucket (torch
         # guards on whether the slice is contiguous)
         shape = (batch, kv_heads, max_len + 1, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -218,9 +218,11 @@ class Attention(nn.Module):
         self.k_norm = norms.get("k_norm")
         self.kv_cache: KVCache | None = None  # set by Llama.setup_cache for decoding
 
-    def forward(self, x, cos, sin, pos: torch.Tensor | None = None, kv_len: int | None = None):
-        """`pos` (the positions of x's tokens) decodes against the first `kv_len` cached positions
-        (all when None); without it, causal attention over x alone."""
+    def forward(self, x, cos, sin, pos: torch.Tensor | None = None, kv_window: torch.Tensor | None = None):
+        """`pos` (the positions of x's tokens) decodes against the cached positions `kv_window` (the first
+        len(kv_window) of the cache; all when None); without it, causal attention over x alone. The window is a
+        tensor, not an int, so that a compiled block sees its length as a size it can mark dynamic: one compile
+        then serves every length (`nvg.decoding`)."""
         b, t, _ = x.shape
         c = self.cfg
         q = self.q_proj(x).view(b, t, c.num_heads, c.head_dim)
@@ -235,6 +237,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
         else:
             k, v = self.kv_cache.update(pos, k, v)
+            kv_len = None if kv_window is None else kv_window.shape[0]
             y = cached_attention(q.to(k.dtype), k[:, :, :kv_len], v[:, :, :kv_len], pos)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
 
@@ -256,16 +259,17 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, linears, norms)
         self.mlp = MLP(linears)
 
-    def forward(self, x, cos, sin, recompute: bool = False, pos: torch.Tensor | None = None, kv_len: int | None = None):
+    def forward(self, x, cos, sin, recompute: bool = False, pos: torch.Tensor | None = None,
+                kv_window: torch.Tensor | None = None):
         """`recompute`: keep only this block's input for backward and run it again there (activation
         checkpointing): the saved activations of a layer shrink from ~20 vectors per token to one.
-        `pos`, `kv_len`: decode against the KV cache (see `Attention.forward`)."""
+        `pos`, `kv_window`: decode against the KV cache (see `Attention.forward`)."""
         if recompute:
             return checkpoint(self.residual_stream, x, cos, sin, use_reentrant=False)
-        return self.residual_stream(x, cos, sin, pos, kv_len)
+        return self.residual_stream(x, cos, sin, pos, kv_window)
 
-    def residual_stream(self, x, cos, sin, pos=None, kv_len=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, kv_len)
+    def residual_stream(self, x, cos, sin, pos=None, kv_window=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, kv_window)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -402,13 +406,14 @@ class Llama(nn.Module):
             layer.self_attn.kv_cache = KVCache(batch, c.num_kv_heads, max_len, c.head_dim, dtype, device)
         self.rope = rotary_tables(c, max_len, device)
 
-    def decode(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, kv_window: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states [b, t, hidden] of tokens `ids` [b, t] at positions `pos` [t],
-        attending to what is cached before them within the first `kv_len` positions (`setup_cache` first)."""
+        attending to what is cached before them within the cached positions `kv_window` (its first
+        len(kv_window); the whole cache when None; `setup_cache` first)."""
         x = self.embed(ids)
         cos, sin = self.rope[0][pos], self.rope[1][pos]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, pos=pos, kv_len=kv_len)
+            x = layer(x, cos, sin, pos=pos, kv_window=kv_window)
         return self.model.norm(x)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

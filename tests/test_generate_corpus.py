@@ -85,11 +85,12 @@ def test_the_decoder_draws_inside_top_k_and_top_p(tiny_cmf):
     assert not torch.equal(decode(temperature=1.0, top_k=50), greedy)  # a wider top-k does sample
 
 
-def test_the_decoding_step_compiles_once_over_four_cache_buckets(tiny_cmf, monkeypatch):
-    """Each compile of the CUDA decoding step cost about a minute on the H200. The cache length is symbolic
-    from the first bucket on (a dynamic tensor size, not an int), so one compile serves every bucket, the
-    last (the whole cache) included; as an int it compiled twice. Counted with dynamo alone (a backend that
-    runs the traced graph), on the CPU."""
+def test_the_decoders_blocks_compile_once_over_four_cache_buckets(tiny_cmf, monkeypatch):
+    """The decoder compiles a block, not the whole step (regional compilation: the whole step's compile took
+    about 70 s of each corpus shard on the GPU). The tiny model's two blocks share one graph, and the cache length
+    is symbolic in it from the first bucket on (a dynamic tensor size, not an int), so one compile serves every
+    bucket, the last (the whole cache) included. Counted with dynamo alone (a backend that runs the traced graph),
+    on the CPU: one graph, holding one block's two cache writes (keys and values)."""
     import nvg.decoding
 
     graphs = []
@@ -105,25 +106,8 @@ def test_the_decoding_step_compiles_once_over_four_cache_buckets(tiny_cmf, monke
         ids = decoder.next_ids(ids, pos, greedy=pos < 3)
     torch.compiler.reset()
     assert len(graphs) == 1
-
-
-def test_a_second_decoder_traces_its_top_k_as_a_constant(tiny_cmf):
-    """Dynamo's compile state is per code object: a Decoder traced after one with another top_k made k a
-    symbolic size, and on the H200 inductor could not compile that top-k (session 20's CUDA test). Each
-    Decoder starts from a clean state, so k stays the constant it is."""
-    top_k_args = []
-
-    def record(gm, example_inputs):
-        top_k_args.extend(n.args[1] for n in gm.graph.nodes if n.target in (torch.topk, "topk"))
-        return gm.forward
-
-    for k in (1, 50):
-        decoder = Decoder(load_model(tiny_cmf), 4, 16, torch.device("cpu"), "fp32", top_k=k, backend=record)
-        ids = torch.arange(4) + 5
-        for pos in range(4):
-            ids = decoder.next_ids(ids, pos, greedy=False)
-    torch.compiler.reset()
-    assert top_k_args == [1, 50]
+    cache_writes = [n for n in graphs[0].graph.nodes if "index_copy" in str(n.target)]
+    assert len(cache_writes) == 2, graphs[0].graph
 
 
 @pytest.fixture(scope="module")
