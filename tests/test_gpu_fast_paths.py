@@ -291,8 +291,8 @@ def test_cuda_graphs_train_as_the_compiled_blocks_do_and_resume(stage_inputs):
 
 
 def test_greedy_decoding_on_cuda_matches_the_cpu(tiny_cmf, monkeypatch):
-    """The compiled, graph-captured decoding step (KV buckets, in-graph argmax) continues greedily
-    exactly as the eager CPU model does, across KV bucket boundaries (64 tokens each here)."""
+    """The decoding step with its blocks compiled, captured as a CUDA graph per KV bucket (in-graph argmax),
+    continues greedily exactly as the eager CPU model does, across KV bucket boundaries (64 tokens each here)."""
     from nvg import decoding
     from nvg.decoding import Decoder
     from nvg.model import load_model
@@ -331,9 +331,10 @@ def test_prompted_corpus_on_cuda_continues_the_prompts_as_the_cpu_does(tiny_cmf,
 
 
 def test_sampled_decoding_on_cuda_draws_the_same_tokens_from_two_cold_compiles(tiny_cmf):
-    """generate_corpus's promise that one seed writes one corpus: the compiled sampling step, compiled
-    twice from an empty inductor cache (what a fresh machine does), draws the same tokens; inductor's
-    deterministic mode keeps its benchmarking from choosing another reduction order the second time."""
+    """generate_corpus's promise that one seed writes one corpus: the sampling step, its blocks compiled twice
+    from an empty inductor cache (what a fresh machine does) and the step captured twice, draws the same tokens;
+    inductor's deterministic mode keeps its benchmarking from choosing another reduction order the second time,
+    and the captured draws advance the seeded generator as eager ones do."""
     from nvg.decoding import Decoder
     from nvg.model import load_model
 
@@ -354,11 +355,9 @@ def test_sampled_decoding_on_cuda_draws_the_same_tokens_from_two_cold_compiles(t
 
 
 def test_top_k_decoding_on_cuda_draws_in_the_graph_as_the_cpu_does(tiny_cmf, monkeypatch):
-    """top-k is drawn inside the compiled step (`nvg.decoding.sample`): top-k 1 decodes as greedy does, and
-    top-k 50 from one seed draws the same tokens twice, over two cache buckets of 64 (the second graph's cache
-    length is symbolic; the tiny model holds 256 positions). Session 20 ran it on the H200 with 100 positions
-    in one bucket: the third Decoder's top-k, traced after two others with another top_k, failed to compile
-    (k symbolic, "CantSplit"); each Decoder now starts clean, and it passed there in session 21."""
+    """top-k is drawn inside the captured step (`nvg.decoding.sample`): top-k 1 decodes as greedy does, and
+    top-k 50 from one seed draws the same tokens twice, over two cache buckets of 64 (two CUDA graphs over one
+    compile of the blocks; the tiny model holds 256 positions)."""
     from nvg import decoding
     from nvg.decoding import Decoder
     from nvg.model import load_model
