@@ -21,6 +21,8 @@
 # ABLATION_CORES (default 8) is a variant's --cores: a torch stage claims 8 (TORCH_THREADS), so 16 runs two
 # corpus shards side by side on the one GPU (session 17: both in about 200 s, where one alone takes about 210
 # with the decoder's compile), for a variant run alone.
+# ABLATION_DEADLINE_S: the epochs each variant of a chain trains are fitted to what is left of that many seconds after
+# its stages before the training (variant_fit_epochs, below).
 # ABLATION_EXTRA: more overlay files, after the variant's (e.g. bench/ablation/first300.yaml: the first 300 steps of the
 # variant's schedule, where sessions 22 and 23's avalanches began).
 # PREFIX_TARGETS and RUN_TARGETS replace the default targets, so that one variant can be split between device
@@ -31,7 +33,7 @@ export PYTHONPATH=/root/site:/root/smk:$PWD PATH=/root/smk/bin:$PATH PYTHONUNBUF
 # Inductor's cache where the machine keeps files between calls: a call that resumes train_student compiled its
 # first step for 70 s again in session 21 (the default cache sits under /tmp).
 export TORCHINDUCTOR_CACHE_DIR=/root/inductor-cache
-BASE=bench/ablation/base.yaml
+BASE=${ABLATION_BASE:-bench/ablation/base.yaml}  # another base: e.g. config.yaml, to try this script on the CPU job
 # Every device call copies this checkout afresh, so every source file has a new mtime and Snakemake's
 # default triggers would rerun the shared prefix in each variant's copy (session 7 lost ~3 GPU minutes
 # a variant, and its variants trained on different corpora). A changed setting or rule still reruns.
@@ -65,10 +67,25 @@ overlays() {
   for part in $1; do printf 'bench/ablation/%s.yaml ' "$part"; done
   printf '%s' "${ABLATION_EXTRA:-}"
 }
-# Variant $1's Snakemake in the current folder (its copy), on GPU $2, to snakemake.log; `run` and `chain` both use it.
+# Variant $1's Snakemake in the current folder (its copy), on GPU $2 with $3 cores and any further arguments, appended to
+# snakemake.log; `run` and `chain` both use it.
 variant_snakemake() {
   CUDA_VISIBLE_DEVICES=${2//[a-z]/} snakemake --cores "${ABLATION_CORES:-$3}" ${RUN_TARGETS:-results/model.cmf results/eval.json} \
-    $TRIGGERS --quiet rules --configfile $BASE $(overlays "$1") > snakemake.log 2>&1
+    $TRIGGERS --quiet rules --configfile $BASE $(overlays "$1") "${@:4}" >> snakemake.log 2>&1
+}
+# ABLATION_DEADLINE_S (seconds from `start`; what is left of the session's device time, less a margin for the last
+# collect): each variant of the chain runs the stages before train_student, then trains only the epochs that end,
+# evaluation included, before it (bench/fit_epochs.py at ABLATION_STEP_S seconds a step, default 0.33, the GPU recipe's
+# on an H100, and ABLATION_TAIL_S beside the steps, default 150: the first step's compile, the evaluations, evaluate),
+# never more than its own; a variant where not one epoch fits is not trained. Session 61 lost a run 354 steps from its
+# end to a machine whose stages before the training were 25 % slower than the plan's.
+variant_fit_epochs() {
+  [[ -n ${ABLATION_DEADLINE:-} ]] || return 0
+  variant_snakemake "$1" "$2" 16 --omit-from train_student
+  python bench/fit_epochs.py --configs $BASE $(overlays "$1") --windows results/data/windows.h5 \
+    --seconds-left $(( ABLATION_DEADLINE - $(date +%s) )) --step-s "${ABLATION_STEP_S:-0.33}" --tail-s "${ABLATION_TAIL_S:-150}" \
+    --out epochs_fit.yaml >> snakemake.log 2>&1 || return 1
+  ABLATION_EXTRA="${ABLATION_EXTRA:-} epochs_fit.yaml"
 }
 # The finished student's extra loss by the teacher's entropy (bench/excess_by_entropy.py, seconds on the GPU), where
 # the variant got that far.
@@ -149,6 +166,7 @@ start)
     [[ " $running " != *" $gpu "* ]] || { echo "GPU $gpu's chain is still running: name another (${gpu}b) to run beside it" >&2; exit 1; }
   done
   echo $running $gpus > /root/chain/gpus
+  [[ -z ${ABLATION_DEADLINE_S:-} ]] || export ABLATION_DEADLINE=$(( $(date +%s) + ABLATION_DEADLINE_S ))
   for gpu in $gpus; do
     specs=(); for spec in "$@"; do g=${spec#*:}; [[ $g == "$spec" ]] && g=0; [[ ${g//,/-} == "$gpu" ]] && specs+=("$spec"); done
     # bash reads a script as it runs it: the next call's checkout, or the next chain's start, may replace this one
@@ -175,7 +193,7 @@ chain)
     cp bench/ablation/*.yaml "$dir/bench/ablation/" || true
     ( set +e; cd "$dir"; start=$(date +%s)
       snakemake --unlock --configfile $BASE $(overlays "$name") > /dev/null 2>&1
-      variant_snakemake "$name" "$gpu" 16
+      if variant_fit_epochs "$name" "$gpu"; then variant_snakemake "$name" "$gpu" 16; else false; fi
       echo "$name: exit $? after $(( $(date +%s) - start )) s" | tee -a snakemake.log
       variant_excess "$gpu"
       # written aside, then renamed: `collect` sends archives while the chain runs, never a half-written one

@@ -192,3 +192,27 @@ def test_fp8_quality_trains_both_ways_and_scores_both_files(stage_inputs, tmp_pa
         assert row["heldout_kl_fp8"] != row["heldout_kl"]
         assert row["fp8_vs_without"] == round(row["heldout_kl_fp8"] / row["heldout_kl"] - 1, 5)
         assert abs(row["fp8_vs_without"]) < 0.05
+
+
+def test_fit_epochs_writes_the_epochs_that_fit_and_refuses_when_none_does(stage_inputs, tmp_path):
+    """bench/fit_epochs.py (ablation.sh's ABLATION_DEADLINE_S): the variant's files merged as Snakemake merges
+    them, its windows' training rows in batches, whole epochs of the given step time after the tail; never more
+    than the variant's own epochs; one error line and no overlay when not one epoch fits."""
+    import h5py
+    import yaml
+
+    n_train = int(h5py.File(stage_inputs / "windows.h5", "r").attrs["n_train"])
+    base, over = tmp_path / "base.yaml", tmp_path / "over.yaml"
+    base.write_text(yaml.safe_dump({"train": {"epochs": 4, "batch": 32, "lr": 0.002}}))
+    over.write_text(yaml.safe_dump({"train": {"epochs": 12, "batch": 2}}))
+    steps = n_train // 2
+    out = tmp_path / "fit.yaml"
+    common = ["--configs", base, over, "--windows", stage_inputs / "windows.h5", "--step-s", 0.5, "--tail-s", 10, "--out", out]
+    run_bench("fit_epochs.py", *common, "--seconds-left", 10 + 3.5 * steps * 0.5)
+    assert yaml.safe_load(out.read_text()) == {"train": {"epochs": 3}}
+    run_bench("fit_epochs.py", *common, "--seconds-left", 10 + 100 * steps * 0.5)
+    assert yaml.safe_load(out.read_text()) == {"train": {"epochs": 12}}  # the variant's own, not more
+    out.unlink()
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "fit_epochs.py"), *map(str, common), "--seconds-left", "10"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "not one epoch" in done.stderr and not out.exists()

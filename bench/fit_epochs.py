@@ -1,0 +1,69 @@
+"""The most epochs of a variant's training that end, evaluation included, before the device session's time does.
+Session 61 started ten epochs by earlier sessions' stage times; that machine's host-bound stages were 16-59 % slower,
+and its time ran out 354 steps from the end, with nothing evaluated. bench/ablation.sh (ABLATION_DEADLINE_S) runs
+this once the stages before train_student are done, when what is left is known, and overlays what it writes: the
+variant's own epochs, or fewer, never more. The lr and η schedules then span the epochs it trains, as any
+`train.epochs` does; eval.json's training_tokens and the log say how many ran.
+
+    python bench/fit_epochs.py --configs base.yaml A.yaml B.yaml --windows results/data/windows.h5 \
+        --seconds-left 900 --step-s 0.33 --tail-s 130 --out epochs_fit.yaml
+"""
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from nvg.artifacts import read_windows
+from nvg.errors import NvgError, exits_cleanly
+
+
+def merged(paths: list[Path]) -> dict:
+    """The config Snakemake builds from these files in order (each later file's keys over the earlier's, nested)."""
+
+    def update(base: dict, over: dict) -> dict:
+        for key, value in over.items():
+            base[key] = update(dict(base.get(key) or {}), value) if isinstance(value, dict) else value
+        return base
+
+    config: dict = {}
+    for p in paths:
+        config = update(config, yaml.safe_load(p.read_text()) or {})
+    return config
+
+
+def fitting_epochs(planned: int, steps_per_epoch: int, seconds_left: float, step_s: float, tail_s: float) -> int:
+    """min(planned, whole epochs of `step_s`-second steps in what is left after `tail_s`); 0 when none fits."""
+    return max(0, min(planned, int((seconds_left - tail_s) // (steps_per_epoch * step_s))))
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", nargs="+", type=Path, required=True, help="the variant's config files, in Snakemake's order")
+    ap.add_argument("--windows", type=Path, required=True, help="the variant's windows.h5 (its n_train)")
+    ap.add_argument("--seconds-left", type=float, required=True, help="until the session's device time ends")
+    ap.add_argument("--step-s", type=float, required=True, help="seconds a training step takes on this machine")
+    ap.add_argument("--tail-s", type=float, required=True,
+                    help="seconds for the training's first step (its compile), its evaluations and evaluate")
+    ap.add_argument("--out", type=Path, required=True, help="the overlay written: train.epochs")
+    a = ap.parse_args(argv)
+    train = merged(a.configs).get("train", {})
+    if "epochs" not in train or "batch" not in train:
+        raise NvgError(f"{a.configs[0]}: train.epochs and train.batch must be set in the variant's files")
+    _, attrs = read_windows(a.windows)
+    steps_per_epoch = int(attrs["n_train"]) // train["batch"]
+    if steps_per_epoch < 1:
+        raise NvgError(f"{a.windows}: {attrs['n_train']} training windows make no batch of train.batch {train['batch']}")
+    epochs = fitting_epochs(train["epochs"], steps_per_epoch, a.seconds_left, a.step_s, a.tail_s)
+    if epochs == 0:
+        raise NvgError(f"--seconds-left {a.seconds_left:.0f}: not one epoch of {steps_per_epoch} steps at {a.step_s} s "
+                       f"fits after {a.tail_s:.0f} s of first step and evaluation")
+    a.out.write_text(f"# bench/fit_epochs.py: {epochs} of the variant's {train['epochs']} epochs fit {a.seconds_left:.0f} s "
+                     f"({steps_per_epoch} steps each at {a.step_s} s, {a.tail_s:.0f} s beside them)\n"
+                     + yaml.safe_dump({"train": {"epochs": epochs}}))
+    print(f"fit_epochs: {epochs} of {train['epochs']} epochs ({epochs * steps_per_epoch} steps) in {a.seconds_left:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
