@@ -2,7 +2,8 @@
 
 Every step feeds one token per sequence at one shared position, so all shapes stay fixed. On CUDA each
 transformer block is compiled with inductor (regional compilation: the blocks share one graph, so the compile
-costs one block's, about a fifth of the whole step's; see COMPILE_OPTIONS for its determinism), and the whole step (the
+costs one block's, not the whole step's: a shard's first batch came after 20 s instead of about 76 on the GPU, session
+61; see COMPILE_OPTIONS for its determinism), and the whole step (the
 blocks, the LM head and the draw) is captured as a CUDA graph per cache bucket and replayed, so a step costs one
 launch instead of ~30 layers × a dozen kernels, which is what bounds small-model decoding. Two more things keep
 the step short:
