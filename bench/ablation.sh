@@ -186,7 +186,8 @@ chain)
     if [[ ! -d $dir ]]; then
       mkdir -p /root/ablation
       from=${ABLATION_FROM:-}; [[ $name != "$first" ]] && from=$first
-      if [[ -n $from ]]; then cp -a "/root/ablation/$from" "$dir" && rm -rf "$dir/results/train" "$dir/results/eval.json" "$dir"/excess.* "$dir/logs/train_student.log"
+      if [[ -n $from ]]; then cp -a "/root/ablation/$from" "$dir" && rm -rf "$dir/results/train" "$dir/results/eval.json" "$dir"/excess.* "$dir/logs/train_student.log" \
+        "$dir/snakemake.log" "$dir/epochs_fit.yaml"  # the log is appended to: this variant's own from here
       else cp -a "$PWD" "$dir"; fi
     fi
     # this call's overlays: a folder made in an earlier call lacks an overlay added since (session 36 lost a call so)
