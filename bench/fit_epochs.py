@@ -13,23 +13,20 @@ import argparse
 from pathlib import Path
 
 import yaml
+from snakemake.utils import update_config
 
 from nvg.artifacts import read_windows
 from nvg.errors import NvgError, exits_cleanly
+from nvg.settings import with_schema_defaults
 
 
 def merged(paths: list[Path]) -> dict:
-    """The config Snakemake builds from these files in order (each later file's keys over the earlier's, nested)."""
-
-    def update(base: dict, over: dict) -> dict:
-        for key, value in over.items():
-            base[key] = update(dict(base.get(key) or {}), value) if isinstance(value, dict) else value
-        return base
-
+    """The config the workflow builds from these files: merged in order as Snakemake merges them, then the schema's
+    defaults for what they leave out."""
     config: dict = {}
     for p in paths:
-        config = update(config, yaml.safe_load(p.read_text()) or {})
-    return config
+        update_config(config, yaml.safe_load(p.read_text()) or {})
+    return with_schema_defaults(config)
 
 
 def fitting_epochs(planned: int, steps_per_epoch: int, seconds_left: float, step_s: float, tail_s: float) -> int:
@@ -48,9 +45,7 @@ def main(argv=None) -> None:
                     help="seconds for the training's first step (its compile), its evaluations and evaluate")
     ap.add_argument("--out", type=Path, required=True, help="the overlay written: train.epochs")
     a = ap.parse_args(argv)
-    train = merged(a.configs).get("train", {})
-    if "epochs" not in train or "batch" not in train:
-        raise NvgError(f"{a.configs[0]}: train.epochs and train.batch must be set in the variant's files")
+    train = merged(a.configs)["train"]
     _, attrs = read_windows(a.windows)
     steps_per_epoch = int(attrs["n_train"]) // train["batch"]
     if steps_per_epoch < 1:
