@@ -132,6 +132,9 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
     generator = torch.Generator().manual_seed(s.seed)
     reference = sign_reference(grams, t_cmf, t_model) if s.signs.margin else None
     state_path = run_state_file(s, student, teacher, windows, grams)
+    # Where the stage's time goes, for the log only (the output's bytes must not depend on it): on the GPU it took
+    # 124.5 s on one H100 and 197.9 s on another (sessions 58 and 61) for the same work.
+    setup_s, fit_s = time.perf_counter() - t0, []
     with one_run(state_path, "reconstruction"):
         blocks, state = [], {}  # per block record; the finished blocks' tensors as saved
         if state_path.exists():
@@ -152,8 +155,10 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
             if i < len(blocks):  # reconstructed before a kill: its output is the next block's input again
                 x_s, x_t = run_block(s_block, x_s, cos, sin, s.batch, ctx), y_t
                 continue
+            fit_t0 = time.perf_counter()
             stats, x_s = reconstruct_block(s_block, x_s, y_t, cos, sin, steps=s.steps, batch=s.batch, lr=s.lr,
                                            autocast=ctx, generator=generator, signs=block_sign_trainer(s_model, i, s, reference))
+            fit_s.append(time.perf_counter() - fit_t0)  # reconstruct_block ends reading its error: the device is done
             x_t = y_t
             blocks.append(stats)
             state.update(block_state(s_model, i, s.signs.enabled))
@@ -175,6 +180,12 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
             "blocks": blocks, "settings": asdict(s)})
         print(f"reconstruct_blocks: {len(blocks)} blocks × {s.steps} steps of {s.batch} windows, relative error of the last "
               f"block {blocks[-1]['before']:.4f} → {blocks[-1]['after']:.4f}, {seconds:.1f} s on {device} → {out}", file=sys.stderr)
+        if fit_s:
+            later = fit_s[1:] or fit_s
+            print(f"reconstruct_blocks: {setup_s:.1f} s reading, loading and embedding; the first block trained here "
+                  f"{fit_s[0]:.1f} s (its compile with it), the others {sum(later) / len(later):.2f} s each "
+                  f"({1e3 * sum(later) / len(later) / max(1, s.steps):.1f} ms a step with the block's error passes); "
+                  f"the streams' forward passes and saves the rest", file=sys.stderr)
         shutil.rmtree(state_path.parent)  # the output holds everything the state did
 
 
