@@ -183,7 +183,7 @@ def main(student: Path, teacher: Path, windows: Path, out: Path, s: ReconstructS
         if fit_s:
             later = fit_s[1:] or fit_s
             print(f"reconstruct_blocks: {setup_s:.1f} s reading, loading and embedding; the first block trained here "
-                  f"{fit_s[0]:.1f} s (its compile with it), the others {sum(later) / len(later):.2f} s each "
+                  f"{fit_s[0]:.1f} s (on CUDA the blocks' compile with it), the others {sum(later) / len(later):.2f} s each "
                   f"({1e3 * sum(later) / len(later) / max(1, s.steps):.1f} ms a step with the block's error passes); "
                   f"the streams' forward passes and saves the rest", file=sys.stderr)
         shutil.rmtree(state_path.parent)  # the output holds everything the state did
