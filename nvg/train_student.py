@@ -65,6 +65,7 @@ class TrainSettings:
     group_scale_lr: float
     group_code_lr: float
     embedding_lr: float
+    adam_beta2: float
     clip: float
     eval_every: int
     state_every: int
@@ -227,7 +228,7 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     code_step = {name_of[id(g.latent)]: float(g.code_range[2]) for g in d.model.group_codes().values() if g.latent is not None}
     multiplier |= dict.fromkeys(code_step, s.group_code_lr)
     multiplier |= {name_of[id(p)]: s.embedding_lr for p in d.model.dense_vocab().values() if id(p) in name_of}
-    opt = OnePassAdam(param_groups(d.params, s.lr_relative, multiplier, code_step), lr=s.lr, betas=(0.9, 0.999), eps=1e-8)
+    opt = OnePassAdam(param_groups(d.params, s.lr_relative, multiplier, code_step), lr=s.lr, betas=(0.9, s.adam_beta2), eps=1e-8)
     if s.signs.enabled:
         d.modes.append(SignTrainer(d.model.blr_linears(), s.signs, total, group, reference=sign_reference(grams, t_cmf, d.teacher) if margin else None))
     for mode in d.modes:
@@ -349,7 +350,7 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
     if run.group.main:
         write_student(run.student, d.model, out, "nvg_train", {
             "teacher": teacher_name, "windows_hash": d.targets.windows_hash, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
-            "lr": s.lr, "lr_relative": s.lr_relative, "group_scale_lr": s.group_scale_lr, "group_code_lr": s.group_code_lr, "embedding_lr": s.embedding_lr,
+            "lr": s.lr, "lr_relative": s.lr_relative, "group_scale_lr": s.group_scale_lr, "group_code_lr": s.group_code_lr, "embedding_lr": s.embedding_lr, "adam_beta2": s.adam_beta2,
             **({"group_codes_changed": codes_changed(d.model)} if s.group_code_lr > 0 else {}), "targets": s.targets, "steps": st.done,
             **({"hidden_weight": s.hidden_weight, "hidden_decay": s.hidden_decay} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,

@@ -194,6 +194,16 @@ def test_embedding_lr_trains_a_dense_embedding_whole_and_writes_it_in_its_format
     assert verify(stage_inputs / "vocab-trained.cmf") == []
 
 
+def test_adam_beta2_reaches_adam_and_the_provenance(stage_inputs):
+    """`train.adam_beta2` is Adam's second-moment decay: another value trains other scales, and the file records it."""
+    default = train(stage_inputs, "beta2-default", epochs=1)
+    fast = train(stage_inputs, "beta2-05", epochs=1, adam_beta2=0.5)
+    assert default.header["provenance"]["nvg_train"]["adam_beta2"] == 0.999
+    assert fast.header["provenance"]["nvg_train"]["adam_beta2"] == 0.5
+    blr = [n for n, t in default.tensors.items() if t.dtype == BLR]
+    assert blr and any(bytes(default.tensors[n].data) != bytes(fast.tensors[n].data) for n in blr)
+
+
 def test_embedding_lr_on_a_quantised_embedding_is_refused(stage_inputs, tmp_path):
     from nvg.cmf import Q2TP, dense_tensor, tensor_to_numpy, write_cmf
 
@@ -413,6 +423,7 @@ def test_a_live_teacher_the_student_was_not_encoded_from_is_refused(stage_inputs
     ('{"precision": "int8"}', "train.precision: 'int8' is not one of"),
     ('{"epochs": 1.5}', "train.epochs: 1.5 is not of type 'integer'"),
     ('{"stop_after": 0}', "train.stop_after: 0 is less than the minimum of 1"),
+    ('{"adam_beta2": 1.0}', "train.adam_beta2: 1.0 is greater than or equal to the maximum of 1"),
     ('{"signs": {"tau": 0}}', "train.signs.tau: 0 is less than or equal to the minimum of 0"),
     ('{"signz": {}}', "train.signz: unknown key"),
     ('{"targets": "live", "tail": true}', "train.tail: applies to targets: topk only"),
