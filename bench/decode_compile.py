@@ -1,8 +1,9 @@
 """What the decoding step's compile costs on a GPU, cold, in the decoder as generate_corpus runs it (its blocks compiled,
 the step captured as a CUDA graph per cache bucket; session 61), against the decoder before it (the whole step compiled
-by inductor in one graph with its CUDA graphs: about 70 s of each corpus shard). A random SmolLM2-135M-shaped model
-(compile time and step time depend on the shapes, not the weights), `--batch` sequences of `--length` tokens, both
-decoders compiled from an empty inductor cache in one process; one JSON line per decoder: the seconds of the first
+by inductor in one graph with its CUDA graphs: about 70 s of each corpus shard) and the candidate after it (the LM head
+and the draw compiled too: CompiledHeadDecoder). A random SmolLM2-135M-shaped model (compile time and step time depend
+on the shapes, not the weights), `--batch` sequences of `--length` tokens, every decoder compiled from an empty inductor
+cache in one process; one JSON line per decoder: the seconds of the first
 step of each bucket (the first holds the compile; a recompile shows in a later one), the whole cold batch's
 seconds, and the tokens/s of a second, warm batch.
 
@@ -53,6 +54,22 @@ class WholeStepDecoder(Decoder):
         return self.step(ids, self.pos, self.greedy, kv_window).clone()
 
 
+class CompiledHeadDecoder(Decoder):
+    """The stage's decoder with its LM head and draw (`Decoder._head_and_draw`) compiled as a second region, so that
+    the float32 logits, the Gumbel noise and the argmax fuse inside the captured step instead of about eight eager
+    passes over [batch, vocabulary] a step. The candidate to measure before it becomes the stage's (it draws another
+    corpus from a seed: inductor's random numbers are not eager's)."""
+
+    def __init__(self, model, batch, max_len, device, precision, temperature=1.0, top_k=0, top_p=1.0, backend=None):
+        super().__init__(model, batch, max_len, device, precision, temperature, top_k, top_p, backend)
+        backend = backend or "inductor"
+        self._head_and_draw = torch.compile(self._head_and_draw, fullgraph=True, backend=backend,
+                                            options=decoding.COMPILE_OPTIONS if backend == "inductor" else None)
+
+
+DECODERS = {"nvg": Decoder, "compiled-head": CompiledHeadDecoder, "whole-step": WholeStepDecoder}
+
+
 def one_batch(decoder: Decoder, batch: int, length: int) -> tuple[float, dict]:
     """Seconds for one batch of `length` tokens, and the seconds of each bucket's first step, by its position."""
     torch.manual_seed(1234)
@@ -75,7 +92,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--length", type=int, default=1024)
-    ap.add_argument("--decoders", nargs="+", default=["nvg", "whole-step"], choices=["nvg", "whole-step"])
+    ap.add_argument("--decoders", nargs="+", default=list(DECODERS), choices=list(DECODERS))
     a = ap.parse_args()
     torch.manual_seed(0)
     hf = hf_model(SMOLLM2_135M, None)
@@ -85,8 +102,7 @@ def main() -> None:
         model = build_model(SMOLLM2_135M, dense.get).cuda()  # its own: the nvg decoder compiles the model's blocks
         torch._dynamo.reset()
         with torch._inductor.config.patch(force_disable_caches=True):  # a cold compile, as on a fresh machine
-            cls = Decoder if name == "nvg" else WholeStepDecoder
-            decoder = cls(model, a.batch, a.length, torch.device("cuda"), "bf16", temperature=1.0)
+            decoder = DECODERS[name](model, a.batch, a.length, torch.device("cuda"), "bf16", temperature=1.0)
             cold, marks = one_batch(decoder, a.batch, a.length)
             warm, _ = one_batch(decoder, a.batch, a.length)
         row = {"decoder": name, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": a.batch,

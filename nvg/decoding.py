@@ -98,7 +98,16 @@ class Decoder:
     def _step(self, kv_window: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.precision):
             h = self.model.decode(self.ids[:, None], self.pos, kv_window)[:, -1]
-            logits = F.linear(h, self.model.logits_head()).float()
+            head = self.model.logits_head()  # under autocast: a frozen head cast once, not every step
+        return self._head_and_draw(h, head)
+
+    def _head_and_draw(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """The next ids [b] from the last hidden states [b, hidden]: argmax where `greedy`, else `sample`'s draw.
+        Eager inside the captured step: about eight float32 passes over [batch, vocabulary] (100 MB each at 512
+        sequences) a step. bench/decode_compile.py's CompiledHeadDecoder compiles it as a second region, to be
+        measured on the GPU before it is the stage's."""
+        with autocast(self.device, self.precision):
+            logits = F.linear(h, head).float()
         return torch.where(self.greedy, logits.argmax(-1), sample(logits, self.temperature, self.top_k, self.top_p))
 
     def _captured(self, kv_window: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -123,12 +132,17 @@ class Decoder:
         self.ids.copy_(ids)
         self.pos.fill_(pos)
         self.greedy.fill_(greedy)
-        kv_window = self.kv_positions[: min(self.max_len, (pos // KV_BUCKET + 1) * KV_BUCKET)]
-        torch._dynamo.mark_dynamic(kv_window, 0)
+        kv_len = min(self.max_len, (pos // KV_BUCKET + 1) * KV_BUCKET)
         if self.pool is None:
-            return self._step(kv_window)
-        if len(kv_window) not in self.graphs:
-            self.graphs[len(kv_window)] = self._captured(kv_window)
-        graph, out = self.graphs[len(kv_window)]
+            return self._step(self._kv_window(kv_len))
+        if kv_len not in self.graphs:  # a replay needs no window: the captured step holds it
+            self.graphs[kv_len] = self._captured(self._kv_window(kv_len))
+        graph, out = self.graphs[kv_len]
         graph.replay()
         return out.clone()
+
+    def _kv_window(self, kv_len: int) -> torch.Tensor:
+        """The cache positions the blocks read, `kv_len` of them, as a tensor whose size the compile keeps symbolic."""
+        kv_window = self.kv_positions[:kv_len]
+        torch._dynamo.mark_dynamic(kv_window, 0)
+        return kv_window
