@@ -1,7 +1,7 @@
 """What the decoding step's compile costs on a GPU, cold, in the decoder as generate_corpus runs it (its blocks compiled,
 the step captured as a CUDA graph per cache bucket; session 61), against the decoder before it (the whole step compiled
-by inductor in one graph with its CUDA graphs: about 70 s of each corpus shard) and the candidate after it (the LM head
-and the draw compiled too: CompiledHeadDecoder). A random SmolLM2-135M-shaped model (compile time and step time depend
+by inductor in one graph with its CUDA graphs: about 70 s of each corpus shard) and the candidate after it (the draw
+compiled too: CompiledDrawDecoder). A random SmolLM2-135M-shaped model (compile time and step time depend
 on the shapes, not the weights), `--batch` sequences of `--length` tokens, every decoder compiled from an empty inductor
 cache in one process; one JSON line per decoder: the seconds of the first
 step of each bucket (the first holds the compile; a recompile shows in a later one), the whole cold batch's
@@ -54,20 +54,20 @@ class WholeStepDecoder(Decoder):
         return self.step(ids, self.pos, self.greedy, kv_window).clone()
 
 
-class CompiledHeadDecoder(Decoder):
-    """The stage's decoder with its LM head and draw (`Decoder._head_and_draw`) compiled as a second region, so that
-    the float32 logits, the Gumbel noise and the argmax fuse inside the captured step instead of about eight eager
-    passes over [batch, vocabulary] a step. The candidate to measure before it becomes the stage's (it draws another
-    corpus from a seed: inductor's random numbers are not eager's)."""
+class CompiledDrawDecoder(Decoder):
+    """The stage's decoder with its draw (`Decoder._draw`: the logits' float32 cast, the Gumbel noise, the argmax)
+    compiled as a second region, so that it fuses into a few kernels inside the captured step instead of about eight
+    eager passes over [batch, vocabulary] a step. The candidate to measure before it becomes the stage's (it draws
+    another corpus from a seed: inductor's random numbers are not eager's)."""
 
     def __init__(self, model, batch, max_len, device, precision, temperature=1.0, top_k=0, top_p=1.0, backend=None):
         super().__init__(model, batch, max_len, device, precision, temperature, top_k, top_p, backend)
         backend = backend or "inductor"
-        self._head_and_draw = torch.compile(self._head_and_draw, fullgraph=True, backend=backend,
-                                            options=decoding.COMPILE_OPTIONS if backend == "inductor" else None)
+        self._draw = torch.compile(self._draw, fullgraph=True, backend=backend,
+                                   options=decoding.COMPILE_OPTIONS if backend == "inductor" else None)
 
 
-DECODERS = {"nvg": Decoder, "compiled-head": CompiledHeadDecoder, "whole-step": WholeStepDecoder}
+DECODERS = {"nvg": Decoder, "compiled-draw": CompiledDrawDecoder, "whole-step": WholeStepDecoder}
 
 
 def one_batch(decoder: Decoder, batch: int, length: int) -> tuple[float, dict]:

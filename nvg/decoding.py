@@ -98,16 +98,15 @@ class Decoder:
     def _step(self, kv_window: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.precision):
             h = self.model.decode(self.ids[:, None], self.pos, kv_window)[:, -1]
-            head = self.model.logits_head()  # under autocast: a frozen head cast once, not every step
-        return self._head_and_draw(h, head)
+            logits = F.linear(h, self.model.logits_head())
+        return self._draw(logits)
 
-    def _head_and_draw(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        """The next ids [b] from the last hidden states [b, hidden]: argmax where `greedy`, else `sample`'s draw.
+    def _draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next ids [b] from the logits [b, vocab]: argmax where `greedy`, else `sample`'s draw, in float32.
         Eager inside the captured step: about eight float32 passes over [batch, vocabulary] (100 MB each at 512
-        sequences) a step. bench/decode_compile.py's CompiledHeadDecoder compiles it as a second region, to be
+        sequences) a step. bench/decode_compile.py's CompiledDrawDecoder compiles it as a second region, to be
         measured on the GPU before it is the stage's."""
-        with autocast(self.device, self.precision):
-            logits = F.linear(h, head).float()
+        logits = logits.float()
         return torch.where(self.greedy, logits.argmax(-1), sample(logits, self.temperature, self.top_k, self.top_p))
 
     def _captured(self, kv_window: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

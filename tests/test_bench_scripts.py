@@ -218,17 +218,17 @@ def test_fit_epochs_writes_the_epochs_that_fit_and_refuses_when_none_does(stage_
     assert done.returncode != 0 and "not one epoch" in done.stderr and not out.exists()
 
 
-def test_the_compiled_head_decoder_traces_the_head_apart_and_draws_as_the_stages_decoder(tiny_cmf, monkeypatch):
-    """bench/decode_compile.py's CompiledHeadDecoder, the candidate decoder: on the CPU with a recording backend
+def test_the_compiled_draw_decoder_traces_the_draw_apart_and_draws_as_the_stages_decoder(tiny_cmf, monkeypatch):
+    """bench/decode_compile.py's CompiledDrawDecoder, the candidate decoder: on the CPU with a recording backend
     (dynamo alone, the traced graphs run as they are) it traces two regions, a block with its two cache writes and the
-    head with the draw, and its draws are the stage decoder's from one seed, past a cache bucket."""
+    draw, and its draws are the stage decoder's from one seed, past a cache bucket."""
     import torch
 
     from nvg import decoding
     from nvg.model import load_model
 
     monkeypatch.syspath_prepend(str(REPO / "bench"))
-    from decode_compile import CompiledHeadDecoder
+    from decode_compile import CompiledDrawDecoder
 
     monkeypatch.setattr(decoding, "KV_BUCKET", 64)
     graphs = []
@@ -238,7 +238,7 @@ def test_the_compiled_head_decoder_traces_the_head_apart_and_draws_as_the_stages
         return gm.forward
 
     runs = {}
-    for cls in (decoding.Decoder, CompiledHeadDecoder):
+    for cls in (decoding.Decoder, CompiledDrawDecoder):
         graphs.clear()
         decoder = cls(load_model(tiny_cmf), 4, 100, torch.device("cpu"), "fp32", backend=record)
         torch.manual_seed(1234)
@@ -251,4 +251,4 @@ def test_the_compiled_head_decoder_traces_the_head_apart_and_draws_as_the_stages
         torch.compiler.reset()
         blocks = [g for g in traced if "index_copy" in g]
         assert len(blocks) == 1 and len(traced) == (1 if cls is decoding.Decoder else 2), traced
-    assert torch.equal(runs[decoding.Decoder], runs[CompiledHeadDecoder])
+    assert torch.equal(runs[decoding.Decoder], runs[CompiledDrawDecoder])
