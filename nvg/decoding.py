@@ -14,7 +14,8 @@ the step short:
     exactly), so no [batch, vocab] tensor leaves the graph; top-k / top-p restrict it in the graph too
     (`sample`: top-k draws among the k largest logits only).
 On the CPU the same code runs eager, in float32. Draws use the global RNG: seed it with `torch.manual_seed`
-(a CUDA graph's draws advance it as eager ones do, so one seed gives one corpus)."""
+(a CUDA graph's draws advance it as eager ones do, and a capture's warm-up run draws on a forked state, so one seed
+gives one corpus, from a fresh Decoder or a used one)."""
 
 from __future__ import annotations
 
@@ -112,11 +113,13 @@ class Decoder:
     def _captured(self, kv_window: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The step at this cache length as a CUDA graph and its output buffer: run once on a side stream first
         (the blocks compile at the first length; cuBLAS and Triton set up), then captured. That run writes this
-        position's keys and values as the replay will, and draws once: the replays' draws follow it, the same way
-        from one seed. The graphs share one memory pool: they replay one at a time, each after the one before."""
+        position's keys and values as the replay will; its draw is made on a forked RNG state, so the replays draw
+        as they would without it: a Decoder used twice from one seed draws the same tokens whether or not it had
+        captured this length already (session 63: the second use drew other tokens from the first sampled position
+        on). The graphs share one memory pool: they replay one at a time, each after the one before."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), torch.random.fork_rng(devices=[self.device]):
             self._step(kv_window)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
