@@ -47,8 +47,9 @@ TRIGGERS="--rerun-triggers params input software-env code"
 # train_student's 68 s, packed to 67 MB: more than a call brings back.) Snakemake has no record of the carried
 # shards, so the teacher is imported first and the shards touched after it (else their older mtime reruns
 # them); tokenize_windows still checks each shard's teacher, place and token digest. The shards must be what
-# the config's generate_corpus would write: the digests printed here are compared with the log of the session
-# that made them.
+# the config's generate_corpus wrote: the digests printed here are compared with the log of the session that made
+# them. (A change to the decoder's draws makes a seed write another corpus, while the carried one stays what it was:
+# session 63's `a7bac851…`/`72895357…` are the stage's output before 7f40589, so runs on them compare with each other.)
 if compgen -G ".corpus/generated.*.h5.gz.*" > /dev/null && [[ ! -d results/corpus && $1 =~ ^(prefix|run|start)$ ]]; then
   mkdir -p results/corpus
   for first in .corpus/generated.*.h5.gz.aa; do
