@@ -8,6 +8,9 @@ Loss per token, from one of two kinds of targets:
                               vocabulary, plus `hidden_weight` × the per-layer loss on L2-normalised
                               hidden states (OneBit, LittleBit). Costs a teacher forward per step and
                               needs no top-k files; the held-out KL is then the full-vocabulary one.
+                              The teacher is frozen, so what it gives each window is kept where it fits
+                              (`Distiller._teacher`): the KL needs only its final-normed hidden states,
+                              the hidden-state term every block's output.
 Both are computed in token chunks (`losses.py`).
 
 A training mode (sign training today) plugs into the step through hooks instead of calls spread
@@ -38,7 +41,8 @@ from nvg.distributed import Group
 from nvg.losses import full_kl, hidden_mse, topk_kl
 from nvg.model import autocast
 
-# A live teacher's outputs for every window are kept when they fit in this many bytes (see `Distiller._teacher`)
+# A live teacher's outputs for every window are kept when they fit in this many bytes (`train.teacher_memo_gb`'s
+# default; see `Distiller._teacher`)
 TEACHER_MEMO_BYTES = 2 << 30
 
 
@@ -113,15 +117,23 @@ class Distiller:
 
     def __init__(self, model, targets: Targets, device, *, batch: int, precision: str, tail: bool = False,
                  recompute_every: int = 0, group: Group = Group(), teacher=None, hidden_weight: float = 0.0,
-                 hidden_decay: bool = False, train_group_scales: bool = True, train_dense_vocab: bool = False,
-                 teacher_memo_bytes: int = TEACHER_MEMO_BYTES):
+                 hidden_decay: bool = False, kl_alone_ahead: bool = False, train_group_scales: bool = True,
+                 train_dense_vocab: bool = False, teacher_memo_bytes: int = TEACHER_MEMO_BYTES):
+        """`kl_alone_ahead`: training steps without the hidden-state term will come (`train.hidden_epochs`: the fit
+        loop sets `hidden_on`), so the teacher's final-normed hidden states are worth keeping while it runs."""
         self.model, self.targets, self.device, self.group = model, targets, device, group
         self.batch_size, self.precision, self.tail = batch, precision, tail
         self.teacher, self.hidden_weight = teacher, hidden_weight  # a live teacher: see the module docstring
-        # with hidden_decay each step scales the hidden-state term by its lr factor (the schedule's shape); hidden_weight
-        # > 0 alone decides which of the teacher's outputs are run and kept, so a factor of 0 changes no memo
-        self.hidden_decay, self.hidden_factor = hidden_decay, 1.0
-        self._teacher_memo = {} if teacher is not None and self._teacher_bytes() <= teacher_memo_bytes else None
+        # with hidden_decay each step scales the hidden-state term by its lr factor (the schedule's shape); a factor
+        # of 0 still runs the term, so it changes no memo. hidden_on: the term is in this step's loss at all
+        self.hidden_decay, self.hidden_factor, self.hidden_on = hidden_decay, 1.0, hidden_weight > 0
+        # What each window's teacher run leaves (`_teacher`): every block's output where the hidden-state term needs
+        # them and they all fit, else its final-normed hidden states where the KL alone will read them again and
+        # those fit. Neither: the teacher runs every step (the GPU recipe's 30 layers of 16,320 windows).
+        live = teacher is not None
+        self._residual_memo = {} if live and hidden_weight > 0 and self._teacher_bytes(everything=True) <= teacher_memo_bytes else None
+        self._hidden_memo = {} if (live and self._residual_memo is None and (hidden_weight == 0 or kl_alone_ahead)
+                                   and self._teacher_bytes(everything=False) <= teacher_memo_bytes) else None
         self.params = trainable(model, train_group_scales, train_dense_vocab)
         # memory, not results: on CUDA every k-th block is recomputed in backward; the CPU keeps all
         self.recompute_every = recompute_every if device.type == "cuda" else 0
@@ -153,30 +165,41 @@ class Distiller:
             t = self._read_targets(rows)
         return tuple(x.to(self.device, non_blocking=True) for x in t)
 
-    def _teacher_bytes(self) -> int:
-        """What `_teacher` keeps for every window, at most (float32)."""
+    def _teacher_bytes(self, everything: bool) -> int:
+        """What `_teacher` keeps for every window: every block's output (`everything`) or the final-normed hidden
+        states, in the compute dtype (float32 but under bf16 or fp16)."""
         n, window = self.targets.tokens.shape
-        kept = len(self.teacher.model.layers) if self.hidden_weight > 0 else 1
-        return n * window * self.teacher.head_weight.shape[1] * kept * 4
+        kept = len(self.teacher.model.layers) if everything else 1
+        return n * window * self.teacher.head_weight.shape[1] * kept * (2 if self.precision in ("bf16", "fp16") else 4)
+
+    def keeps_teacher_hidden(self) -> bool:
+        """Whether a window's final-normed teacher hidden states are kept once the teacher has run on it."""
+        return self._residual_memo is not None or self._hidden_memo is not None
 
     @torch.no_grad()
-    def _teacher(self, rows, ids) -> list[torch.Tensor]:
-        """The live teacher's residual stream for `rows` (every block's output, [b, t, hidden] each) with a
-        hidden-state loss, else its final-normed hidden states alone (a list of one). Kept per window when
-        every window's fit in `teacher_memo_bytes` (the CPU default job's do): the teacher is frozen, so each
-        epoch after the first reads them instead of running it again (0.29 s of a 1.7 s live step on a 2-core
-        CPU in bf16, more in float32). The GPU recipe's thousands of windows do not fit, and run the teacher
-        every step."""
-        def run():
-            return list(self.teacher.residuals(ids)) if self.hidden_weight > 0 else [self.teacher.hidden(ids)]
-        memo, rows = self._teacher_memo, [int(r) for r in rows]
-        if memo is None:
-            return run()
-        if not all(r in memo for r in rows):
-            out = run()
-            memo.update({r: [x[i].clone() for x in out] for i, r in enumerate(rows)})
-            return out
-        return [torch.stack([memo[r][j] for r in rows]) for j in range(len(memo[rows[0]]))]
+    def _teacher(self, rows, ids, residuals: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The live teacher's final-normed hidden states for `rows` ([b, t, hidden]), and with `residuals` its
+        residual stream (every block's output, for the hidden-state term; else None). Kept per window where they
+        fit in `teacher_memo_bytes` (see `__init__`): the teacher is frozen, so a window seen again reads them
+        instead of running it (on a 2-core CPU 0.29 s of the default job's 1.7-s live step in bf16; on the GPU
+        recipe about a fifth of the step's multiply-adds, once `train.hidden_epochs` leaves the KL alone)."""
+        rows = [int(r) for r in rows]
+        if self._residual_memo is not None:
+            memo = self._residual_memo
+            if all(r in memo for r in rows):
+                out = [torch.stack([memo[r][j] for r in rows]) for j in range(len(memo[rows[0]]))]
+            else:
+                out = list(self.teacher.residuals(ids))
+                memo.update({r: [x[i].clone() for x in out] for i, r in enumerate(rows)})
+            return self.teacher.model.norm(out[-1]), out
+        memo = self._hidden_memo
+        if not residuals and memo is not None and all(r in memo for r in rows):
+            return torch.stack([memo[r] for r in rows]), None
+        out = list(self.teacher.residuals(ids)) if residuals else None
+        hidden = self.teacher.model.norm(out[-1]) if residuals else self.teacher.hidden(ids)
+        if memo is not None:
+            memo.update({r: hidden[i].clone() for i, r in enumerate(rows)})
+        return hidden, out
 
     def loss(self, rows) -> torch.Tensor:
         """Mean per-token loss over `rows`: the KL, plus the hidden-state term when training against a
@@ -191,10 +214,9 @@ class Distiller:
                 hidden = self.model.hidden(ids, recompute)
                 t_ids, t_logp = self._targets(rows)
                 return topk_kl(hidden, self.model.logits_head(), t_ids, t_logp, self.tail) / ids.numel()
-            t_res = self._teacher(rows, ids)
-            with torch.no_grad():
-                t_hidden = self.teacher.model.norm(t_res[-1]) if self.hidden_weight > 0 else t_res[0]
-            if not (training and self.hidden_weight > 0):
+            hidden_term = training and self.hidden_on
+            t_hidden, t_res = self._teacher(rows, ids, residuals=hidden_term)
+            if not hidden_term:
                 hidden = self.model.hidden(ids, recompute)
                 return full_kl(hidden, self.model.logits_head(), t_hidden, self.teacher.logits_head()) / ids.numel()
             res = list(self.model.residuals(ids, recompute))

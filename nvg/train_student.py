@@ -6,7 +6,8 @@ embedding or LM head is group-scaled (q8_row, q4_block, q4tp, q2tp), their group
 setup → fit → finish. The loss and the optimizer step are `nvg/distill.py`'s: KL to the teacher's
 top-k, Adam (0.9, 0.999, 1e-8; with `lr_relative` each tensor's step is scaled by its starting RMS), linear warm-up over max(1, steps/50) then cosine (or, `lr_decay: linear`, straight) to zero over the
 whole run (even when `stop_after` ends it early; with `hidden_decay` the live teacher's hidden-state term
-follows the same shape), global-norm clipping, bf16 autocast (fp16 mode:
+follows the same shape; with `hidden_epochs` it ends after that many epochs, and where the teacher's final hidden
+states fit in `teacher_memo_gb` the teacher then runs no more), global-norm clipping, bf16 autocast (fp16 mode:
 dynamic gradient scale from 4096, halved on a non-finite step); a non-finite step is skipped, counted
 and logged. Held-out KL before training, every `eval_every` steps and at the end; the best snapshot is
 restored. Training modes (`train.signs`) plug into the step and the evaluations through hooks.
@@ -73,6 +74,8 @@ class TrainSettings:
     targets: str
     hidden_weight: float
     hidden_decay: bool
+    hidden_epochs: int | None
+    teacher_memo_gb: float
     tail: bool
     precision: str
     seed: int
@@ -95,9 +98,10 @@ class TrainSettings:
 
 
 def state_settings(settings: TrainSettings) -> dict:
-    """The settings that change the result (what names the state folder besides the inputs); hidden_weight and
-    hidden_decay only with the live teacher, the cached top-k having no hidden states."""
-    unread = ("device", "gpus", "state_root", "stop_after", "recompute_every", "cuda_graphs") + (() if settings.targets == "live" else ("hidden_weight", "hidden_decay"))
+    """The settings that change the result (what names the state folder besides the inputs); hidden_weight,
+    hidden_decay and hidden_epochs only with the live teacher, the cached top-k having no hidden states."""
+    unread = ("device", "gpus", "state_root", "stop_after", "recompute_every", "cuda_graphs", "teacher_memo_gb") + (
+        () if settings.targets == "live" else ("hidden_weight", "hidden_decay", "hidden_epochs"))
     return {k: v for k, v in asdict(settings).items() if k not in unread}
 
 
@@ -214,8 +218,9 @@ def setup(student: Path, windows: Path, topk: list[Path], s: TrainSettings, teac
     d = Distiller(compile_blocks(model, "reduce-overhead" if s.cuda_graphs else None), targets, device, batch=s.batch, precision=s.precision,
                   tail=s.tail, recompute_every=s.recompute_every, group=group,
                   teacher=live_teacher(t_cmf, s_cmf, device) if live else None, hidden_weight=s.hidden_weight if live else 0.0,
-                  hidden_decay=live and s.hidden_decay,
-                  train_group_scales=s.group_scale_lr > 0, train_dense_vocab=s.embedding_lr > 0)
+                  hidden_decay=live and s.hidden_decay, kl_alone_ahead=live and s.hidden_weight > 0 and kl_alone_epochs(s) > 0,
+                  train_group_scales=s.group_scale_lr > 0, train_dense_vocab=s.embedding_lr > 0,
+                  teacher_memo_bytes=int(s.teacher_memo_gb * 2**30))
     if not d.params:
         raise NvgError(f"{student}: no trainable tensors (no BLR linears and no norm gains)")
     say(f"train_student: {computing_in(device, 'train.precision', s.precision)}")
@@ -285,6 +290,10 @@ def _fit(run: Run, signals: list[int]) -> None:
     for epoch in range(st.epoch, s.epochs):
         if st.done >= stop:
             break
+        if d.hidden_on and kl_alone_epochs(s) and epoch >= s.hidden_epochs:
+            d.hidden_on = False
+            say(f"  epoch {epoch + 1}: the KL alone from here (train.hidden_epochs {s.hidden_epochs})"
+                + ("; the teacher's final hidden states are read back, not run again" if d.keeps_teacher_hidden() else ""))
         order = torch.randperm(run.n_batches, generator=torch.Generator().manual_seed(s.seed + epoch)).tolist()
         first = st.pos if epoch == st.epoch else 0
         for pos in range(first, run.n_batches):
@@ -334,6 +343,11 @@ def _fit(run: Run, signals: list[int]) -> None:
                 raise NvgError(f"{run.state_file}: {what} at step {st.done} of {run.total}; the state is saved, rerun to resume")
 
 
+def kl_alone_epochs(s: TrainSettings) -> int:
+    """The epochs at the end that train on the KL alone (`train.hidden_epochs`)."""
+    return 0 if s.hidden_epochs is None else max(0, s.epochs - s.hidden_epochs)
+
+
 def codes_changed(model) -> dict[str, float]:
     """The fraction of each quantised embedding's / head's codes that training moved off the encoder's."""
     return {name: float((g.current_codes() != g.codes).float().mean()) for name, g in model.group_codes().items()}
@@ -352,7 +366,8 @@ def finish(run: Run, teacher_name: str, out: Path, metrics: Path) -> None:
             "teacher": teacher_name, "windows_hash": d.targets.windows_hash, "tokens": st.tokens_seen, "window": int(d.targets.tokens.shape[1]), "batch": s.batch,
             "lr": s.lr, "lr_relative": s.lr_relative, "group_scale_lr": s.group_scale_lr, "group_code_lr": s.group_code_lr, "embedding_lr": s.embedding_lr, "adam_beta2": s.adam_beta2,
             **({"group_codes_changed": codes_changed(d.model)} if s.group_code_lr > 0 else {}), "targets": s.targets, "steps": st.done,
-            **({"hidden_weight": s.hidden_weight, "hidden_decay": s.hidden_decay} if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
+            **({"hidden_weight": s.hidden_weight, "hidden_decay": s.hidden_decay, "hidden_epochs": s.hidden_epochs}
+               if s.targets == "live" else {"topk": d.targets.topk.k}), "best_step": st.best_step,
             "heldout_kl_start": st.e0, "heldout_kl_best": st.best_kl, "skipped": st.skipped,
             "tail": s.tail, "precision": s.precision, "computed_in": compute_precision(d.device, s.precision), "processes": run.group.world, "evals": st.evals,
             **{mode.name: mode.provenance() for mode in d.modes},

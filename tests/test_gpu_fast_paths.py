@@ -256,6 +256,29 @@ def test_live_teacher_training_on_cuda_matches_the_cpu(stage_inputs, hidden_deca
                                      hidden_decay=hidden_decay)
 
 
+def test_hidden_epochs_on_cuda_read_the_teachers_states_back_as_the_cpu_does(stage_inputs):
+    """`train.hidden_epochs` 1 of 2 with room for the teacher's final hidden states only (not its residual stream):
+    the second epoch reads them back from device memory instead of running the teacher, and both epochs take the CPU's
+    steps, float32."""
+    import json
+
+    from nvg.artifacts import read_windows
+    from nvg.model import load_model
+    from tests.conftest import train
+
+    teacher = load_model(stage_inputs / "teacher.cmf")
+    tokens, _ = read_windows(stage_inputs / "windows.h5", teacher.cfg.vocab_size)
+    room_gb = tokens.size * teacher.head_weight.shape[1] * 4 / 2**30
+    runs = {}
+    for device in ("cpu", "cuda"):
+        train(stage_inputs, f"hidden-epochs-{device}", device=device, precision="fp32", targets="live", hidden_weight=0.5,
+              hidden_epochs=1, teacher_memo_gb=room_gb)
+        runs[device] = [json.loads(line) for line in (stage_inputs / f"hidden-epochs-{device}.jsonl").read_text().splitlines()]
+    for key in ("loss", "heldout_kl"):
+        values = {dev: [m[key] for m in ms if key in m] for dev, ms in runs.items()}
+        np.testing.assert_allclose(values["cuda"], values["cpu"], rtol=1e-3)
+
+
 def test_embedding_training_on_cuda_matches_the_cpu(stage_inputs):
     """`train.embedding_lr`: the f16 embedding and head train through the compiled LM-head blocks (the head's
     gradient under checkpointing) and the lookup, with the live teacher, as on the CPU, float32."""

@@ -357,6 +357,54 @@ def test_a_live_teachers_outputs_are_kept_per_window_and_read_back_exactly(stage
         assert len(runs) - before == teacher_runs + 1  # with no room for them, the teacher runs every time
 
 
+def test_after_the_hidden_epochs_the_teachers_final_states_are_read_back_exactly(stage_inputs, monkeypatch):
+    """With KL-alone steps ahead (`train.hidden_epochs`) and room for the teacher's final-normed hidden states but not
+    for its residual stream, the hidden-state steps run the teacher every time and keep those states; a KL-alone step
+    then reads them back, with the loss a teacher run anew gives, and runs the teacher only for a window not yet seen.
+    Without KL-alone steps ahead nothing is kept."""
+    from nvg.distill import Distiller, Targets
+
+    teacher, student = load_model(stage_inputs / "teacher.cmf"), load_model(stage_inputs / "student.cmf")
+    targets = Targets.from_files(stage_inputs / "windows.h5", [], student.cfg.vocab_size)
+    runs = []
+    residuals = teacher.residuals
+    monkeypatch.setattr(teacher, "residuals", lambda ids, *a: runs.append(ids.shape[0]) or residuals(ids, *a))
+    n, window = targets.tokens.shape
+    room = n * window * teacher.head_weight.shape[1] * 4  # every window's final states in float32, not two layers'
+    assert len(teacher.model.layers) > 1
+
+    def distiller(**kw):
+        return Distiller(student, targets, torch.device("cpu"), batch=2, precision="fp32", teacher=teacher,
+                         hidden_weight=0.5, **kw)
+
+    kept, anew = distiller(kl_alone_ahead=True, teacher_memo_bytes=room), distiller(teacher_memo_bytes=0)
+    assert kept.keeps_teacher_hidden() and not distiller(teacher_memo_bytes=room).keeps_teacher_hidden()
+    for rows in ([0, 1], [1, 0]):  # the hidden-state term needs every block's output: the teacher runs each time
+        before = len(runs)
+        assert kept.loss(rows).item() == pytest.approx(anew.loss(rows).item(), rel=1e-6)
+        assert len(runs) - before == 2
+    kept.hidden_on = anew.hidden_on = False
+    for rows, teacher_runs in (([1, 0], 0), ([2, 1], 1), ([2, 0], 0)):
+        before = len(runs)
+        loss = kept.loss(rows).item()
+        assert len(runs) - before == teacher_runs
+        assert loss == pytest.approx(anew.loss(rows).item(), rel=1e-6)
+
+
+def test_hidden_epochs_trains_the_hidden_term_in_the_first_epochs_only(stage_inputs, monkeypatch):
+    """`train.hidden_epochs` 1 of 2: every step of the first epoch has the hidden-state term, none of the second; the
+    file records the setting."""
+    from nvg.distill import Distiller
+
+    terms = []
+    step = Distiller.step
+    monkeypatch.setattr(Distiller, "step", lambda self, *a, **k: (terms.append(self.hidden_on), step(self, *a, **k))[1])
+    out = train(stage_inputs, "hidden-epochs", targets="live", hidden_weight=0.5, hidden_epochs=1)
+    per_epoch = len(terms) // 2
+    assert per_epoch > 0 and terms == [True] * per_epoch + [False] * per_epoch
+    assert out.header["provenance"]["nvg_train"]["hidden_epochs"] == 1
+
+
 def test_a_tied_group_scaled_embedding_is_built_once_a_step_with_the_same_gradient(stage_inputs, monkeypatch):
     """The lookup and the logits share one build of a q2tp embedding's weight per loss (`parametrize.cached`
     in `Distiller.loss`), and its scales get the gradient of both uses, as when each builds its own."""
@@ -424,6 +472,7 @@ def test_a_live_teacher_the_student_was_not_encoded_from_is_refused(stage_inputs
     ('{"epochs": 1.5}', "train.epochs: 1.5 is not of type 'integer'"),
     ('{"stop_after": 0}', "train.stop_after: 0 is less than the minimum of 1"),
     ('{"adam_beta2": 1.0}', "train.adam_beta2: 1.0 is greater than or equal to the maximum of 1"),
+    ('{"hidden_epochs": 0}', "train.hidden_epochs: 0 is less than the minimum of 1"),
     ('{"signs": {"tau": 0}}', "train.signs.tau: 0 is less than or equal to the minimum of 0"),
     ('{"signz": {}}', "train.signz: unknown key"),
     ('{"targets": "live", "tail": true}', "train.tail: applies to targets: topk only"),

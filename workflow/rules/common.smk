@@ -60,13 +60,14 @@ def encode_block():
 
 
 def train_block():
-    """The train block as train_student reads it: without hidden_weight and hidden_decay under the cached top-k, which has no
+    """The train block as train_student reads it: without hidden_weight, hidden_decay and hidden_epochs under the cached top-k, which has no
     hidden states, so that a user who switches to topk need not zero the schema's 0.3 by hand, and changing
     it there reruns nothing."""
     block = dict(config["train"])
     if block["targets"] == "topk":
         block.pop("hidden_weight")
         block.pop("hidden_decay")
+        block.pop("hidden_epochs")
     return block
 
 
