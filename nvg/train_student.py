@@ -290,7 +290,7 @@ def _fit(run: Run, signals: list[int]) -> None:
     for epoch in range(st.epoch, s.epochs):
         if st.done >= stop:
             break
-        if d.hidden_on and kl_alone_epochs(s) and epoch >= s.hidden_epochs:
+        if d.hidden_on and s.hidden_epochs is not None and epoch >= s.hidden_epochs:
             d.hidden_on = False
             say(f"  epoch {epoch + 1}: the KL alone from here (train.hidden_epochs {s.hidden_epochs})"
                 + ("; the teacher's final hidden states are read back, not run again" if d.keeps_teacher_hidden() else ""))

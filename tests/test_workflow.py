@@ -253,13 +253,14 @@ def test_a_real_rerun_with_a_live_teacher_and_another_learning_rate(finished_run
 
 
 def test_hidden_weight_is_not_read_under_the_cached_topk(finished_run):
-    """The cached top-k has no hidden states: its runs keep the schema's hidden_weight (0.3), hidden_decay and
-    hidden_epochs, and changing any of them there reruns nothing (train_student's params leave them out)."""
+    """The cached top-k has no hidden states and no live teacher: its runs keep the schema's hidden_weight (0.3),
+    hidden_decay, hidden_epochs and teacher_memo_gb, and changing any of them there reruns nothing (train_student's
+    params leave them out)."""
     workdir, config = finished_run
     assert config["train"]["targets"] == "topk" and "hidden_weight" not in config["train"]
     snakemake(workdir, config)  # the top-k run's outputs, whatever an earlier test left
     changed = copy.deepcopy(config)
-    changed["train"].update(hidden_weight=0.9, hidden_decay=True, hidden_epochs=1)
+    changed["train"].update(hidden_weight=0.9, hidden_decay=True, hidden_epochs=1, teacher_memo_gb=8)
     assert planned_jobs(workdir, changed) == set()
     changed["train"]["lr"] = 0.004
     assert "train_student" in planned_jobs(workdir, changed)

@@ -60,14 +60,15 @@ def encode_block():
 
 
 def train_block():
-    """The train block as train_student reads it: without hidden_weight, hidden_decay and hidden_epochs under the cached top-k, which has no
-    hidden states, so that a user who switches to topk need not zero the schema's 0.3 by hand, and changing
-    it there reruns nothing."""
+    """The train block as train_student reads it: without hidden_weight, hidden_decay, hidden_epochs and teacher_memo_gb
+    under the cached top-k, which has no hidden states and no teacher to keep, so that a user who switches to topk need
+    not zero the schema's 0.3 by hand, and changing them there reruns nothing."""
     block = dict(config["train"])
     if block["targets"] == "topk":
         block.pop("hidden_weight")
         block.pop("hidden_decay")
         block.pop("hidden_epochs")
+        block.pop("teacher_memo_gb")
     return block
 
 
