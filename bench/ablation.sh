@@ -78,13 +78,15 @@ variant_snakemake() {
 # collect): each variant of the chain runs the stages before train_student, then trains only the epochs that end,
 # evaluation included, before it (bench/fit_epochs.py at ABLATION_STEP_S seconds a step, default 0.33, the GPU recipe's
 # on an H100, and ABLATION_TAIL_S beside the steps, default 150: the first step's compile, the evaluations, evaluate),
-# never more than its own; a variant where not one epoch fits is not trained. Session 61 lost a run 354 steps from its
+# never more than its own; a variant where not one epoch fits is not trained. ABLATION_LATE_STEP_S: the step time
+# after `train.hidden_epochs` (the teacher read back, not run), where it differs. Session 61 lost a run 354 steps from its
 # end to a machine whose stages before the training were 25 % slower than the plan's.
 variant_fit_epochs() {
   [[ -n ${ABLATION_DEADLINE:-} ]] || return 0
   variant_snakemake "$1" "$2" 16 --omit-from train_student
   python bench/fit_epochs.py --configs $BASE $(overlays "$1") --windows results/data/windows.h5 \
     --seconds-left $(( ABLATION_DEADLINE - $(date +%s) )) --step-s "${ABLATION_STEP_S:-0.33}" --tail-s "${ABLATION_TAIL_S:-150}" \
+    ${ABLATION_LATE_STEP_S:+--late-step-s "$ABLATION_LATE_STEP_S"} \
     --out epochs_fit.yaml >> snakemake.log 2>&1 || return 1
   ABLATION_EXTRA="${ABLATION_EXTRA:-} epochs_fit.yaml"
 }

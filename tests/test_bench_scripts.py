@@ -197,7 +197,8 @@ def test_fp8_quality_trains_both_ways_and_scores_both_files(stage_inputs, tmp_pa
 def test_fit_epochs_writes_the_epochs_that_fit_and_refuses_when_none_does(stage_inputs, tmp_path):
     """bench/fit_epochs.py (ablation.sh's ABLATION_DEADLINE_S): the variant's files merged as Snakemake merges
     them, its windows' training rows in batches, whole epochs of the given step time after the tail; never more
-    than the variant's own epochs; one error line and no overlay when not one epoch fits."""
+    than the variant's own epochs; those after train.hidden_epochs at --late-step-s; one error line and no overlay
+    when not one epoch fits."""
     import h5py
     import yaml
 
@@ -212,6 +213,11 @@ def test_fit_epochs_writes_the_epochs_that_fit_and_refuses_when_none_does(stage_
     assert yaml.safe_load(out.read_text()) == {"train": {"epochs": 3}}
     run_bench("fit_epochs.py", *common, "--seconds-left", 10 + 100 * steps * 0.5)
     assert yaml.safe_load(out.read_text()) == {"train": {"epochs": 12}}  # the variant's own, not more
+    # after train.hidden_epochs the KL-alone epochs at their own step time: one at 0.5 s, then 2.5 at 0.2 s fit 3
+    over.write_text(yaml.safe_dump({"train": {"epochs": 12, "batch": 2, "hidden_epochs": 1}}))
+    run_bench("fit_epochs.py", *common, "--late-step-s", 0.2, "--seconds-left", 10 + steps * 0.5 + 2.5 * steps * 0.2)
+    assert yaml.safe_load(out.read_text()) == {"train": {"epochs": 3}}
+    over.write_text(yaml.safe_dump({"train": {"epochs": 12, "batch": 2}}))
     out.unlink()
     done = subprocess.run([sys.executable, str(REPO / "bench" / "fit_epochs.py"), *map(str, common), "--seconds-left", "10"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
