@@ -377,29 +377,52 @@ def test_sampled_decoding_on_cuda_draws_the_same_tokens_from_two_cold_compiles(t
     assert torch.equal(runs[0], runs[1])
 
 
-def test_top_k_decoding_on_cuda_draws_in_the_graph_as_the_cpu_does(tiny_cmf, monkeypatch):
-    """top-k is drawn inside the captured step (`nvg.decoding.sample`): top-k 1 decodes as greedy does, and
-    top-k 50 from one seed draws the same tokens twice, over two cache buckets of 64 (two CUDA graphs over one
-    compile of the blocks; the tiny model holds 256 positions)."""
+def _decode_over_two_buckets(cmf, monkeypatch, seed, greedy=False, **draw):
+    """A fresh Decoder's 99 steps from `seed` over two cache buckets of 64 (two CUDA graphs over one compile of the
+    blocks; the tiny model holds 256 positions): the tokens [8, 99] and the CUDA generator's offset after each step."""
     from nvg import decoding
     from nvg.decoding import Decoder
     from nvg.model import load_model
 
     monkeypatch.setattr(decoding, "KV_BUCKET", 64)
     dev = torch.device("cuda")
-    length = 100
+    decoder = Decoder(load_model(cmf, dev), 8, 100, dev, "bf16", **draw)
+    torch.manual_seed(seed)
+    ids, out, offsets = torch.arange(8, device=dev) + 5, [], []
+    for pos in range(99):
+        ids = decoder.next_ids(ids, pos, greedy=greedy)
+        out.append(ids)
+        offsets.append(int.from_bytes(bytes(torch.cuda.get_rng_state()[8:16].tolist()), "little"))
+    return torch.stack(out, 1).cpu(), offsets
 
-    def decode(seed, greedy=False, **draw):
-        decoder = Decoder(load_model(tiny_cmf, dev), 8, length, dev, "bf16", **draw)
-        torch.manual_seed(seed)
-        ids, out = torch.arange(8, device=dev) + 5, []
-        for pos in range(length - 1):
-            ids = decoder.next_ids(ids, pos, greedy=greedy)
-            out.append(ids)
-        return torch.stack(out, 1).cpu()
 
-    assert torch.equal(decode(0, temperature=1.0, top_k=1), decode(0, greedy=True))
-    assert torch.equal(decode(1234, temperature=1.0, top_k=50), decode(1234, temperature=1.0, top_k=50))
+def _same_draws(a, b) -> str:
+    """'' where two `_decode_over_two_buckets` runs drew the same tokens, else where they part and the generator's
+    offsets around it (session 64: top-k's runs parted at the second bucket's first step, position 64)."""
+    (ta, oa), (tb, ob) = a, b
+    differ = (ta != tb).any(0)
+    if not differ.any():
+        return ""
+    at = int(differ.int().argmax())
+    return f"the draws differ from position {at} on; offsets there {oa[max(0, at - 2):at + 3]} against {ob[max(0, at - 2):at + 3]}"
+
+
+def test_top_k_decoding_on_cuda_draws_in_the_graph_as_the_cpu_does(tiny_cmf, monkeypatch):
+    """top-k is drawn inside the captured step (`nvg.decoding.sample`): top-k 1 decodes as greedy does, and
+    top-k 50 from one seed draws the same tokens in two fresh Decoders, over two cache buckets."""
+    assert torch.equal(_decode_over_two_buckets(tiny_cmf, monkeypatch, 0, temperature=1.0, top_k=1)[0],
+                       _decode_over_two_buckets(tiny_cmf, monkeypatch, 0, greedy=True)[0])
+    message = _same_draws(_decode_over_two_buckets(tiny_cmf, monkeypatch, 1234, temperature=1.0, top_k=50),
+                          _decode_over_two_buckets(tiny_cmf, monkeypatch, 1234, temperature=1.0, top_k=50))
+    assert not message, message
+
+
+def test_sampled_decoding_on_cuda_draws_the_same_tokens_in_two_fresh_decoders_over_two_buckets(tiny_cmf, monkeypatch):
+    """The top-k test's second half without top-k: whether two fresh Decoders from one seed part at the second
+    bucket with the plain draw too (session 64: top-k's did, at its first step), or top-k alone does."""
+    message = _same_draws(_decode_over_two_buckets(tiny_cmf, monkeypatch, 1234, temperature=1.0),
+                          _decode_over_two_buckets(tiny_cmf, monkeypatch, 1234, temperature=1.0))
+    assert not message, message
 
 
 def test_sampled_decoding_on_cuda_draws_the_same_tokens_twice_past_one_key_block(tmp_path):
