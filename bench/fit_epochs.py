@@ -6,7 +6,7 @@ variant's own epochs, or fewer, never more. The lr and η schedules then span th
 `train.epochs` does; eval.json's training_tokens and the log say how many ran.
 
     python bench/fit_epochs.py --configs base.yaml A.yaml B.yaml --windows results/data/windows.h5 \
-        --seconds-left 900 --step-s 0.33 --tail-s 130 --out epochs_fit.yaml [--late-step-s 0.28]
+        --seconds-left 900 --step-s 0.33 --tail-s 130 --out epochs_fit.yaml [--late-step-s 0.27]
 
 With `train.hidden_epochs` and a live teacher, the epochs after the hidden-state term are cheaper (the teacher's
 final states read back, not run): `--late-step-s` is their step time, `--step-s` the first epochs'.
@@ -68,10 +68,9 @@ def main(argv=None) -> None:
     if epochs == 0:
         raise NvgError(f"--seconds-left {a.seconds_left:.0f}: not one epoch of {steps_per_epoch} steps at {a.step_s} s "
                        f"fits after {a.tail_s:.0f} s of first step and evaluation")
+    late = f", after epoch {early} at {a.late_step_s} s" if early is not None and a.late_step_s is not None else ""
     a.out.write_text(f"# bench/fit_epochs.py: {epochs} of the variant's {train['epochs']} epochs fit {a.seconds_left:.0f} s "
-                     f"({steps_per_epoch} steps each at {a.step_s} s"
-                   + (f", after epoch {early} at {a.late_step_s} s" if early is not None and a.late_step_s is not None else "")
-                   + f", {a.tail_s:.0f} s beside them)\n"
+                     f"({steps_per_epoch} steps each at {a.step_s} s{late}, {a.tail_s:.0f} s beside them)\n"
                      + yaml.safe_dump({"train": {"epochs": epochs}}))
     print(f"fit_epochs: {epochs} of {train['epochs']} epochs ({epochs * steps_per_epoch} steps) in {a.seconds_left:.0f} s")
 
