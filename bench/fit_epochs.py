@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     steps_per_epoch = int(attrs["n_train"]) // train["batch"]
     if steps_per_epoch < 1:
         raise NvgError(f"{a.windows}: {attrs['n_train']} training windows make no batch of train.batch {train['batch']}")
-    early = train.get("hidden_epochs") if train["targets"] == "live" else None
+    early = train["hidden_epochs"] if train["targets"] == "live" else None
     epochs = fitting_epochs(train["epochs"], steps_per_epoch, a.seconds_left, a.step_s, a.tail_s, early, a.late_step_s)
     if epochs == 0:
         raise NvgError(f"--seconds-left {a.seconds_left:.0f}: not one epoch of {steps_per_epoch} steps at {a.step_s} s "
